@@ -1,0 +1,56 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""DINT Transformer for Hugging Face transformers.
+
+Importing this package registers the model type `dint` with transformers' Auto classes (AutoConfig, AutoModel,
+AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+AutoModelForQuestionAnswering) and the DINT cache layers with the cache-layer mappings.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .cache_dint import DintDynamicLayer, DintStaticLayer
+from .configuration_dint import DintConfig, preset_names
+from .modeling_dint import (
+    DintForCausalLM,
+    DintForQuestionAnswering,
+    DintForSequenceClassification,
+    DintForTokenClassification,
+    DintModel,
+    DintPreTrainedModel,
+    compose_final_attention,
+    dint_attention_map,
+    segmented_running_sum,
+)
+
+
+AutoConfig.register(DintConfig.model_type, DintConfig, exist_ok=True)
+AutoModel.register(DintConfig, DintModel, exist_ok=True)
+AutoModelForCausalLM.register(DintConfig, DintForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(DintConfig, DintForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(DintConfig, DintForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(DintConfig, DintForQuestionAnswering, exist_ok=True)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DintConfig",
+    "DintModel",
+    "DintPreTrainedModel",
+    "DintForCausalLM",
+    "DintForSequenceClassification",
+    "DintForTokenClassification",
+    "DintForQuestionAnswering",
+    "DintDynamicLayer",
+    "DintStaticLayer",
+    "compose_final_attention",
+    "dint_attention_map",
+    "segmented_running_sum",
+    "preset_names",
+]

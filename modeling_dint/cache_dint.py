@@ -1,0 +1,202 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""KV-cache layers that carry DINT's integral statistics beside the keys and values.
+
+A new token's integral term needs the signal maps of all earlier query rows of its document, which no key or value
+holds. Each DINT cache layer therefore keeps, in fp32:
+
+- `query_count` `[B]`: the number of valid query rows seen so far in the current document of each batch row;
+- `signal_sum` `[B, H/2, 2*head_dim]`: the sum of the signal attention outputs `O1 = A1 V` over those rows (fast
+  path, integral "mean"): O(1) in the sequence length;
+- `column_sums` `[B, H/2, K]`: the sum of the signal maps `A1` over those rows, one value per cached key (the
+  materializing path: eager attention, or integral "softmax").
+
+Setting `_layer_type` registers the classes in transformers' cache-layer mappings, so `DynamicCache(config=...)` and
+`StaticCache(config=...)` (what `generate()` builds) create them for a config whose `layer_types` name
+`dint_attention`. The state follows every cache operation of transformers: `reorder_cache` (beam search),
+`batch_repeat_interleave` / `batch_select_indices`, `reset`, and `crop` (assisted / prompt-lookup decoding), for which
+the per-token running values are recorded after `activate_past_recording()`.
+"""
+
+import torch
+from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from .configuration_dint import DINT_LAYER_TYPE
+
+
+class DintIntegralStateMixin:
+    """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer."""
+
+    is_dint_layer = True
+
+    def _init_integral_state(self) -> None:
+        self.query_count: torch.Tensor | None = None
+        self.signal_sum: torch.Tensor | None = None
+        self.column_sums: torch.Tensor | None = None
+        self.record_past = False
+        # Running values of every query row since recording (re)started, as chunks of
+        # (query_count [B, t], signal_sum [B, H/2, t, C] or None, column_sums [B, H/2, t, K] or None).
+        self._recorded_rows: list[tuple] = []
+        self._recorded_start: tuple | None = None
+
+    def integral_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Returns `(query_count [B], signal_sum [B, H/2, 2d], column_sums [B, H/2, K])`, each None if never set."""
+        return self.query_count, self.signal_sum, self.column_sums
+
+    def update_integral(
+        self,
+        running_query_count: torch.Tensor,
+        running_signal_sum: torch.Tensor | None,
+        running_column_sums: torch.Tensor | None,
+    ) -> None:
+        """Stores the state after the last new query row.
+
+        Args:
+            running_query_count (`torch.Tensor` of shape `[B, T]`): running count after each new row (fp32).
+            running_signal_sum (`torch.Tensor` of shape `[B, H/2, T, 2d]`, *optional*): running sum of O1.
+            running_column_sums (`torch.Tensor` of shape `[B, H/2, T, K]`, *optional*): running column sums of A1.
+        """
+        if self.record_past:
+            if self._recorded_start is None:
+                self._recorded_start = self._snapshot()
+            self._recorded_rows.append((running_query_count, running_signal_sum, running_column_sums))
+        self._set_state(
+            running_query_count[:, -1],
+            None if running_signal_sum is None else running_signal_sum[:, :, -1],
+            None if running_column_sums is None else running_column_sums[:, :, -1],
+        )
+
+    def _set_state(self, query_count, signal_sum, column_sums) -> None:
+        self.query_count, self.signal_sum, self.column_sums = query_count, signal_sum, column_sums
+
+    def _snapshot(self) -> tuple:
+        return tuple(None if state is None else state.clone() for state in self.integral_state())
+
+    def _map_integral_state(self, function) -> None:
+        """Applies `function` (a batch operation) to every state tensor, the recorded rows included."""
+
+        def apply(state):
+            return None if state is None else function(state)
+
+        self._set_state(*(apply(state) for state in self.integral_state()))
+        self._recorded_rows = [tuple(apply(state) for state in rows) for rows in self._recorded_rows]
+        if self._recorded_start is not None:
+            self._recorded_start = tuple(apply(state) for state in self._recorded_start)
+
+    def activate_past_recording(self) -> None:
+        """Records the running state of every new query row, so that `crop(-n)` can roll the integral back."""
+        self.record_past = True
+
+    def _crop_integral(self, tokens_to_remove: int) -> None:
+        """Rolls the integral state back by `-tokens_to_remove` query rows, then restarts the recording (as
+        transformers' linear-attention layers do, the recorded rows are dropped after each `crop`)."""
+        rows_to_remove = -tokens_to_remove
+        if rows_to_remove > 0:
+            recorded = sum(rows[0].shape[-1] for rows in self._recorded_rows)
+            if not self.record_past or rows_to_remove > recorded:
+                raise ValueError(
+                    f"Cannot crop {rows_to_remove} tokens from a DINT cache layer: its integral statistics can be "
+                    f"rolled back only over the {recorded} tokens recorded since `activate_past_recording()` or the "
+                    f"last `crop` (record_past={self.record_past}). Rolling back further would give a wrong state."
+                )
+            if rows_to_remove == recorded:
+                self._set_state(*self._recorded_start)
+            else:
+                kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
+                for query_count, signal_sum, column_sums in self._recorded_rows:
+                    if kept <= query_count.shape[-1]:
+                        break
+                    kept -= query_count.shape[-1]
+                self._set_state(
+                    query_count[:, kept - 1],
+                    None if signal_sum is None else signal_sum[:, :, kept - 1],
+                    None if column_sums is None else column_sums[:, :, kept - 1],
+                )
+            if self.column_sums is not None:
+                self.column_sums = self.column_sums[..., : self.get_seq_length()]
+        self._recorded_rows = []
+        self._recorded_start = None
+
+
+class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
+    """A `DynamicLayer` (keys and values grow by concatenation) that also carries the DINT integral statistics.
+
+    The integral state stays on the compute device when the cache offloads keys and values: it is O(1) per layer for
+    integral "mean" (and one fp32 value per key and head for the materializing path).
+    """
+
+    _layer_type = DINT_LAYER_TYPE
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._init_integral_state()
+
+    def reset(self) -> None:
+        super().reset()
+        self._init_integral_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"`crop` takes 0 or a negative number of tokens to remove, got {tokens_to_remove} (the legacy "
+                "absolute length is not supported by DINT cache layers)."
+            )
+        super().crop(tokens_to_remove)
+        self._crop_integral(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_integral_state(lambda state: state.index_select(0, beam_idx.to(state.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_integral_state(lambda state: state.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_integral_state(lambda state: state[indices.to(state.device) if torch.is_tensor(indices) else indices])
+
+
+class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
+    """A `StaticLayer` (preallocated keys and values, for `torch.compile` and `cache_implementation="static"`) that
+    also carries the DINT integral statistics, allocated at the first update and then written in place so that their
+    addresses stay fixed under compilation."""
+
+    _layer_type = DINT_LAYER_TYPE
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self._init_integral_state()
+
+    def _set_state(self, query_count, signal_sum, column_sums) -> None:
+        if self.query_count is None or self.query_count.shape != query_count.shape:
+            super()._set_state(
+                query_count.clone(),
+                None if signal_sum is None else signal_sum.clone(),
+                None if column_sums is None else column_sums.clone(),
+            )
+            return
+        self.query_count.copy_(query_count)
+        for name, value in (("signal_sum", signal_sum), ("column_sums", column_sums)):
+            current = getattr(self, name)
+            if value is None or current is None or current.shape != value.shape:
+                setattr(self, name, None if value is None else value.clone())
+            else:
+                current.copy_(value)
+
+    def reset(self) -> None:
+        super().reset()
+        for state in self.integral_state():
+            if state is not None:
+                state.zero_()
+        self.record_past = False
+        self._recorded_rows = []
+        self._recorded_start = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        for state in self.integral_state():
+            if state is not None:
+                state.copy_(state.index_select(0, beam_idx.to(state.device)))
+
+
+__all__ = ["DintDynamicLayer", "DintStaticLayer", "DintIntegralStateMixin"]

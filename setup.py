@@ -1,0 +1,37 @@
+"""Install the DINT Transformer integration for Hugging Face transformers.
+
+The CPU path never pulls a CUDA build of torch by accident: install `torch==2.13.0` (or the build you want) first;
+the range below is satisfied by it and installs nothing more.
+"""
+
+from setuptools import setup
+
+setup(
+    name="modeling-dint",
+    version="0.1.0",
+    description="DINT Transformer (differential-integral attention) as a first-class Hugging Face transformers model",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["modeling_dint", "modeling_dint.presets", "modeling_dint.conversion"],
+    package_dir={"modeling_dint.presets": "configuration", "modeling_dint.conversion": "conversion"},
+    package_data={"modeling_dint.presets": ["*.json"]},
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.23.0,<6",
+        "safetensors>=0.4",
+        "huggingface_hub>=1.0",
+        "tqdm",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "accelerate>=1.10",
+            "peft>=0.17",
+            "tokenizers>=0.21",
+            "matplotlib>=3.8",
+        ],
+    },
+    entry_points={"console_scripts": ["dint-convert=modeling_dint.conversion.__main__:main"]},
+)
