@@ -164,7 +164,9 @@ class HubServer:
         handler_class = type("BoundHubRequestHandler", (_HubRequestHandler,), {"hub": self})
         self._httpd = ThreadingHTTPServer((self.host, self.port), handler_class)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-server", daemon=True
+        )
         self._thread.start()
         return self
 
