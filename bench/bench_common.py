@@ -1,0 +1,229 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""What every benchmark script shares: the four models at one size with copied weights, the timed steps, the byte
+counts of a cache, and the machine description.
+
+The four models (names used in every result file):
+- `dint_fast`:  `DintForCausalLM`, the fast path (sdpa, or the `--attn` backend): O1, O2 from the backend plus a
+  running mean of O1 (DESIGN.md section 2).
+- `dint_eager`: `DintForCausalLM` with `attn_implementation="eager"`: the materializing reference (A1, A2, G, A_final
+  built as N x N maps).
+- `diffllama`:  transformers' `DiffLlamaForCausalLM`, same backend as `dint_fast`.
+- `llama`:      transformers' `LlamaForCausalLM`, same backend, same number of softmax maps and head_dim.
+
+Weights: `dint_fast` is initialized from a seed; `dint_eager` loads its state dict; DiffLlama loads every tensor but the
+head-norm weights (its group norm has none); Llama loads every tensor whose name and shape it shares (all but the
+lambda vectors and head norms).
+"""
+
+import gc
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+
+MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_size_kwargs(args) -> dict:
+    """The config fields shared by the four models, from the command line's size flags."""
+    return {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.hidden_size // args.num_heads,
+        "max_position_embeddings": max(args.max_positions, 64),
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+
+
+def build_model(name: str, size_kwargs: dict, attn: str, dtype: torch.dtype, device: str, seed: int = 0):
+    """Builds one of `MODEL_NAMES` with the weights that `dint_fast` gets from `seed` (copied where shapes allow).
+
+    Every model is built from the same seed, so building one alone (a memory probe in a fresh process) gives the
+    same weights as building all four together.
+    """
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from modeling_dint import DintConfig, DintForCausalLM
+
+    torch.manual_seed(seed)
+    reference = DintForCausalLM(DintConfig(**size_kwargs))
+    reference_state = reference.state_dict()
+    if name == "dint_fast":
+        model = DintForCausalLM._from_config(reference.config, attn_implementation=attn)
+        model.load_state_dict(reference_state, strict=True)
+    elif name == "dint_eager":
+        model = DintForCausalLM._from_config(reference.config, attn_implementation="eager")
+        model.load_state_dict(reference_state, strict=True)
+    elif name == "diffllama":
+        model = DiffLlamaForCausalLM._from_config(DiffLlamaConfig(**size_kwargs), attn_implementation=attn)
+        _load_shared_tensors(model, reference_state, allowed_left_out=("head_norm",))
+    elif name == "llama":
+        model = LlamaForCausalLM._from_config(LlamaConfig(**size_kwargs), attn_implementation=attn)
+        _load_shared_tensors(model, reference_state, allowed_left_out=("head_norm", "lambda_"))
+    else:
+        raise ValueError(f"model name {name!r} is not one of {MODEL_NAMES}")
+    del reference
+    return model.to(device=device, dtype=dtype)
+
+
+def _load_shared_tensors(model, source_state: dict, allowed_left_out: tuple[str, ...]) -> None:
+    """Copies every tensor of `source_state` whose name and shape `model` has; fails if a tensor of `model` is left
+    without a source or a source tensor other than `allowed_left_out` has no target."""
+    target_state = model.state_dict()
+    shared = {k: v for k, v in source_state.items() if k in target_state and target_state[k].shape == v.shape}
+    left_out = [k for k in source_state if k not in shared and not any(part in k for part in allowed_left_out)]
+    missing = [k for k in target_state if k not in shared]
+    if left_out or missing:
+        raise RuntimeError(
+            f"{type(model).__name__}: weights could not be copied one to one (source tensors without target: "
+            f"{left_out[:5]}, target tensors without source: {missing[:5]})"
+        )
+    model.load_state_dict(shared, strict=True)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_input_ids(seq_len: int, batch_size: int, vocab_size: int, device: str, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + seq_len)
+    return torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator).to(device)
+
+
+def forward_step(model, input_ids: torch.Tensor) -> None:
+    """An inference forward pass over the whole sequence: no gradient, no cache, logits of every position."""
+    with torch.no_grad():
+        model(input_ids=input_ids, use_cache=False)
+
+
+def train_step(model, input_ids: torch.Tensor) -> None:
+    """Forward with the language-modeling loss, then backward (the gradients are dropped first)."""
+    model.zero_grad(set_to_none=True)
+    outputs = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    outputs.loss.backward()
+
+
+def prefill(model, input_ids: torch.Tensor):
+    """Runs the prompt with a fresh cache; returns `(cache, next_token [B, 1])`."""
+    with torch.no_grad():
+        outputs = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    return outputs.past_key_values, outputs.logits[:, -1:].argmax(-1)
+
+
+def decode_step(model, cache, next_token: torch.Tensor) -> torch.Tensor:
+    """One greedy token with the cache (the cache grows by one position); returns the next token `[B, 1]`."""
+    with torch.no_grad():
+        outputs = model(input_ids=next_token, past_key_values=cache, use_cache=True)
+    return outputs.logits[:, -1:].argmax(-1)
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of every tensor in `value` (a tensor, or lists / tuples / dicts of them, nested)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    return 0
+
+
+def cache_layer_bytes(cache) -> list[dict]:
+    """Per cache layer: `kv_bytes` (keys + values) and `integral_bytes` (every other tensor attribute of the layer
+    object: DINT's integral statistics, the recorded rows for `crop` included; 0 for Llama and DiffLlama)."""
+    per_layer = []
+    for layer in cache.layers:
+        kv_bytes = _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
+        integral_bytes = sum(
+            _tensor_bytes(value) for attribute, value in vars(layer).items() if attribute not in ("keys", "values")
+        )
+        per_layer.append({"kv_bytes": kv_bytes, "integral_bytes": integral_bytes})
+    return per_layer
+
+
+def collect_garbage(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def machine_info(device: str) -> dict:
+    """The machine and the versions a result depends on."""
+    import transformers
+
+    info = {
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": _total_memory_gb(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "git_commit": _git_commit(),
+    }
+    try:
+        import modeling_dint
+
+        info["modeling_dint"] = getattr(modeling_dint, "__version__", "unknown")
+    except ImportError:
+        info["modeling_dint"] = None
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        try:
+            import flash_attn
+
+            info["flash_attn"] = flash_attn.__version__
+        except ImportError:
+            info["flash_attn"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            match = re.search(r"model name\s*:\s*(.+)", cpuinfo.read())
+        return match.group(1).strip() if match else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def _total_memory_gb() -> float | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return round(int(re.search(r"MemTotal:\s+(\d+)", meminfo.read()).group(1)) / 2**20, 1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(
+            ["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", repo, "status", "--porcelain", "--", "modeling_dint"], capture_output=True, text=True
+        ).stdout.strip()
+        return commit + ("+dirty(modeling_dint)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def python_executable() -> str:
+    return sys.executable

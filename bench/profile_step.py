@@ -1,0 +1,114 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""Where DINT's time goes, next to DiffLlama's: torch.profiler over one step of each, op by op.
+
+    python bench/profile_step.py --step forward_backward --seq-len 2048
+    python bench/profile_step.py --step decode --seq-len 2048      # one token after a 2048-token prompt
+
+Prints, per model, the ops by self time (CPU, or CUDA with --device cuda), then the ops whose summed self time
+differs most between DINT fast and DiffLlama: the extra cost of the integral term, op by op. `--export-trace` writes a
+Chrome trace per model (open in chrome://tracing or Perfetto).
+"""
+
+import argparse
+import os
+import sys
+
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # noqa: E402
+
+
+def make_step(model, args):
+    """A closure running one step of `args.step` on `model` (decode: one token, the cache grows by one each call)."""
+    input_ids = bench_common.make_input_ids(args.seq_len, args.batch_size, args.vocab_size, args.device)
+    if args.step == "forward":
+        return lambda: bench_common.forward_step(model, input_ids)
+    if args.step == "forward_backward":
+        return lambda: bench_common.train_step(model, input_ids)
+    cache, next_token = bench_common.prefill(model, input_ids)
+    state = {"token": next_token}
+
+    def decode_one_token():
+        state["token"] = bench_common.decode_step(model, cache, state["token"])
+
+    return decode_one_token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step", default="forward_backward", choices=["forward", "forward_backward", "decode"])
+    parser.add_argument("--seq-len", type=int, default=2048, help="sequence length, or prompt length for decode")
+    parser.add_argument("--models", default="dint_fast,diffllama")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(bench_common.DTYPES))
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=688)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="profiled steps (after one warm-up)")
+    parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--export-trace", default=None, help="folder for Chrome traces")
+    args = parser.parse_args()
+    args.num_kv_heads = args.num_kv_heads or args.num_heads
+    args.max_positions = args.seq_len + 2 * args.repeats + 8
+    size_kwargs = bench_common.model_size_kwargs(args)
+    is_cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+    sort_key = "self_cuda_time_total" if is_cuda else "self_cpu_time_total"
+
+    # Build and warm up every model before profiling any: the first steps of a process pay for fresh memory pages
+    # (page faults inside whatever op first touches them), which would land on the first model profiled.
+    steps = {}
+    for name in args.models.split(","):
+        model = bench_common.build_model(name, size_kwargs, args.attn, bench_common.DTYPES[args.dtype], args.device)
+        steps[name] = make_step(model, args)
+        steps[name]()
+    for name in steps:
+        steps[name]()
+    bench_common.synchronize(args.device)
+
+    self_times = {}
+    for name, run_step in steps.items():
+        with profile(activities=activities) as profiler:
+            for _ in range(args.repeats):
+                run_step()
+            bench_common.synchronize(args.device)
+        averages = profiler.key_averages()
+        print(f"\n=== {name}: {args.step}, N={args.seq_len}, {args.repeats} steps ===")
+        print(averages.table(sort_by=sort_key, row_limit=args.rows))
+        attribute = "self_device_time_total" if is_cuda else "self_cpu_time_total"
+        self_times[name] = {event.key: (getattr(event, attribute), event.count) for event in averages}
+        if args.export_trace:
+            os.makedirs(args.export_trace, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(args.export_trace, f"{name}_{args.step}_{args.seq_len}.json"))
+
+    names = list(self_times)
+    if len(names) == 2:
+        first, second = names
+        keys = set(self_times[first]) | set(self_times[second])
+        rows = []
+        for key in keys:
+            time_first, count_first = self_times[first].get(key, (0.0, 0))
+            time_second, count_second = self_times[second].get(key, (0.0, 0))
+            rows.append((time_first - time_second, key, time_first, time_second, count_first, count_second))
+        rows.sort(reverse=True)
+        total_first = sum(t for t, _ in self_times[first].values())
+        total_second = sum(t for t, _ in self_times[second].values())
+        per_step = 1e3 * args.repeats
+        print(f"\n=== self time per step, ms: {first} {total_first / per_step:.2f}, {second} {total_second / per_step:.2f} "
+              f"(ratio {total_first / max(total_second, 1e-9):.3f}) ===")  # fmt: skip
+        print(f"{'op':<48} {'extra ms/step':>13} {first + ' ms':>14} {second + ' ms':>14} {'calls':>13}")
+        for difference, key, time_first, time_second, count_first, count_second in rows[: args.rows]:
+            print(
+                f"{key[:48]:<48} {difference / per_step:>13.3f} {time_first / per_step:>14.3f} "
+                f"{time_second / per_step:>14.3f} {count_first // args.repeats:>6}/{count_second // args.repeats:<6}"
+            )
+
+
+if __name__ == "__main__":
+    main()
