@@ -1,0 +1,73 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""`dint-convert` (also `python -m modeling_dint.conversion`): convert a checkpoint folder to DINT (or DINT to
+DiffLlama). Run with `--help` for the options."""
+
+import argparse
+import logging
+import sys
+
+from .checkpoint import DTYPES
+from .convert import SOURCE_FORMATS, convert_checkpoint
+from .llama import HEAD_INITS
+from .reference import ROTARY_LAYOUTS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dint-convert",
+        description=(
+            "Convert a Hugging Face checkpoint folder to DINT: Llama / Mistral / Qwen2 (tensors copied, new lambda "
+            "vectors and head norms), DiffLlama (one to one), Microsoft's reference Diff-Transformer layout "
+            "(--source-format reference-diff); or a DINT model with integral 'none' to DiffLlama."
+        ),
+    )
+    parser.add_argument("source", help="source checkpoint folder (config.json + safetensors or .bin weights)")
+    parser.add_argument("output", help="output folder (must not exist unless --force)")
+    parser.add_argument("--source-format", default="auto", choices=SOURCE_FORMATS,
+                        help="source layout; 'auto' reads config.json's model_type (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="dtype of the written weights; 'auto' keeps the source's (default: auto)")
+    parser.add_argument("--integral", default="mean", choices=["mean", "softmax", "none"],
+                        help="integral mode of the DINT model; 'none' is plain DIFF attention (default: mean)")
+    parser.add_argument("--head-init", default="copy", choices=HEAD_INITS,
+                        help="Llama-family sources: 'copy' the tensors (needs even head counts) or 'duplicate' every "
+                             "head so the DINT model computes the source's function exactly (default: copy)")
+    parser.add_argument("--lambda-std-dev", type=float, default=None,
+                        help="Llama-family sources: std of the new lambda vectors (default: 0.1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the new lambda vectors (default: 0)")
+    parser.add_argument("--rotary", default="interleaved", choices=ROTARY_LAYOUTS,
+                        help="reference-diff sources: RoPE channel layout of the checkpoint (default: interleaved)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors shard, e.g. 5GB or 500MB (default: 5GB)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        plan = convert_checkpoint(
+            args.source,
+            args.output,
+            source_format=args.source_format,
+            dtype=args.dtype,
+            integral=args.integral,
+            head_init=args.head_init,
+            lambda_std_dev=args.lambda_std_dev,
+            seed=args.seed,
+            rotary=args.rotary,
+            max_shard_size=args.max_shard_size,
+            force=args.force,
+            progress=not args.quiet,
+        )
+    except (ValueError, FileExistsError, FileNotFoundError, KeyError) as error:
+        print(f"dint-convert: error: {error}", file=sys.stderr)
+        return 2
+    print(f"Wrote {plan.model_class.__name__} ({len(plan.tensors)} tensors) to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""transformers' DiffLlama <-> DINT.
+
+DINT has DiffLlama's head layout and parameter names, so the tensors map one to one. The one difference is the
+output of a differential head: DiffLlama computes `(1 - lambda_init) * RMSNorm(O)` with a weightless norm, DINT
+computes `head_norm.weight * RMSNorm(O)`. So:
+- DiffLlama -> DINT fills `head_norm.weight` with `(1 - lambda_init)` of each layer. With `integral="none"` the DINT
+  model then computes DiffLlama's logits exactly; with `"mean"`/`"softmax"` it adds the integral term.
+- DINT -> DiffLlama needs `integral="none"` (DiffLlama has no integral term), the head norm on and the depth schedule
+  of lambda_init (DiffLlama hardcodes both). Any `head_norm.weight` is folded into `o_proj`'s columns:
+  `W_o diag(w) RMSNorm(O) = [W_o diag(w / (1 - lambda_init))] ((1 - lambda_init) RMSNorm(O))`.
+"""
+
+import torch
+from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, PreTrainedConfig
+
+from modeling_dint import DintConfig, DintForCausalLM
+
+from .plan import ConversionPlan
+
+
+def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = "mean") -> DintConfig:
+    """The DINT config of a converted DiffLlama: same fields, the depth schedule, an affine head norm."""
+    if source_config.model_type != "diffllama":
+        raise ValueError(f"Expected a DiffLlama config (model_type 'diffllama'), got {source_config.model_type!r}.")
+    return DintConfig(
+        vocab_size=source_config.vocab_size,
+        hidden_size=source_config.hidden_size,
+        intermediate_size=source_config.intermediate_size,
+        num_hidden_layers=source_config.num_hidden_layers,
+        num_attention_heads=source_config.num_attention_heads,
+        num_key_value_heads=source_config.num_key_value_heads,
+        head_dim=source_config.head_dim,
+        hidden_act=source_config.hidden_act,
+        max_position_embeddings=source_config.max_position_embeddings,
+        initializer_range=source_config.initializer_range,
+        rms_norm_eps=source_config.rms_norm_eps,
+        use_cache=source_config.use_cache,
+        pad_token_id=source_config.pad_token_id,
+        bos_token_id=source_config.bos_token_id,
+        eos_token_id=source_config.eos_token_id,
+        tie_word_embeddings=source_config.tie_word_embeddings,
+        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
+        attention_bias=source_config.attention_bias,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        integral=integral,
+        lambda_init=None,
+        lambda_std_dev=source_config.lambda_std_dev if source_config.lambda_std_dev is not None else 0.1,
+        head_norm=True,
+        head_norm_affine=True,
+        architectures=["DintForCausalLM"],
+    )
+
+
+def plan_diffllama_to_dint(source, source_config: PreTrainedConfig, integral: str = "mean") -> ConversionPlan:
+    """Plans DiffLlama -> `DintForCausalLM`: tensors copied, `head_norm.weight = (1 - lambda_init)` per layer.
+
+    Args:
+        source: mapping name -> tensor with DiffLlama's names (a state dict or a `CheckpointReader`).
+        source_config: the `DiffLlamaConfig`.
+        integral: the DINT model's integral mode; `"none"` reproduces DiffLlama's logits.
+    """
+    config = dint_config_from_diffllama(source_config, integral)
+    tensors = {}
+    for name in source.keys():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensors[name] = _source_tensor(source, name)
+    for layer_idx in range(config.num_hidden_layers):
+        scale = 1.0 - config.lambda_init_for_layer(layer_idx)
+        tensors[f"model.layers.{layer_idx}.self_attn.head_norm.weight"] = _filled(2 * config.head_dim, scale)
+    notes = [f"integral={integral!r}" + (": logits equal DiffLlama's." if integral == "none" else ".")]
+    return ConversionPlan(config=config, model_class=DintForCausalLM, tensors=tensors, notes=notes)
+
+
+def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
+    """The DiffLlama config of a DINT model; refuses a DINT model that DiffLlama cannot represent.
+
+    Raises:
+        ValueError: `integral` other than "none", no head norm, a constant `lambda_init`, or an MLP bias.
+    """
+    if source_config.model_type != "dint":
+        raise ValueError(f"Expected a DINT config (model_type 'dint'), got {source_config.model_type!r}.")
+    if source_config.integral != "none":
+        raise ValueError(
+            f"Cannot convert a DINT model with integral={source_config.integral!r} to DiffLlama: DiffLlama has no "
+            f"integral term, so its outputs would differ. Only integral='none' models convert."
+        )
+    if not source_config.head_norm:
+        raise ValueError(
+            "Cannot convert a DINT model with head_norm=False to DiffLlama: DiffLlama always normalizes each head."
+        )
+    if source_config.lambda_init is not None:
+        raise ValueError(
+            f"Cannot convert a DINT model with a constant lambda_init={source_config.lambda_init!r} to DiffLlama: "
+            f"DiffLlama always uses the depth schedule 0.8 - 0.6*exp(-0.3*layer) (lambda_init=None)."
+        )
+    if source_config.mlp_bias:
+        raise ValueError("Cannot convert a DINT model with mlp_bias=True to DiffLlama: DiffLlama's MLP has no bias.")
+    return DiffLlamaConfig(
+        vocab_size=source_config.vocab_size,
+        hidden_size=source_config.hidden_size,
+        intermediate_size=source_config.intermediate_size,
+        num_hidden_layers=source_config.num_hidden_layers,
+        num_attention_heads=source_config.num_attention_heads,
+        num_key_value_heads=source_config.num_key_value_heads,
+        head_dim=source_config.head_dim,
+        hidden_act=source_config.hidden_act,
+        max_position_embeddings=source_config.max_position_embeddings,
+        initializer_range=source_config.initializer_range,
+        rms_norm_eps=source_config.rms_norm_eps,
+        use_cache=source_config.use_cache,
+        pad_token_id=source_config.pad_token_id,
+        bos_token_id=source_config.bos_token_id,
+        eos_token_id=source_config.eos_token_id,
+        tie_word_embeddings=source_config.tie_word_embeddings,
+        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
+        attention_bias=source_config.attention_bias,
+        attention_dropout=0.0,
+        lambda_std_dev=source_config.lambda_std_dev,
+        architectures=["DiffLlamaForCausalLM"],
+    )
+
+
+def plan_dint_to_diffllama(source, source_config: DintConfig) -> ConversionPlan:
+    """Plans `DintForCausalLM` (integral "none") -> `DiffLlamaForCausalLM`, folding `head_norm.weight` into o_proj.
+
+    Args:
+        source: mapping name -> tensor with DINT's names (a state dict or a `CheckpointReader`).
+        source_config: the `DintConfig`.
+    """
+    config = diffllama_config_from_dint(source_config)
+    tensors = {}
+    for name in source.keys():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith(".self_attn.head_norm.weight"):
+            continue
+        tensors[name] = _source_tensor(source, name)
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        head_norm_name = prefix + "head_norm.weight" if source_config.head_norm_affine else None
+        tensors[prefix + "o_proj.weight"] = _folded_output_projection(
+            source, prefix + "o_proj.weight", head_norm_name, 1.0 - source_config.lambda_init_for_layer(layer_idx)
+        )
+    return ConversionPlan(config=config, model_class=DiffLlamaForCausalLM, tensors=tensors, notes=[])
+
+
+def _source_tensor(source, name):
+    return lambda: source[name]
+
+
+def _filled(size: int, value: float):
+    return lambda: torch.full((size,), value)
+
+
+def _folded_output_projection(source, o_proj_name: str, head_norm_name: str | None, diffllama_scale: float):
+    """o_proj `[hidden, (H/2) * 2d]` with column c of every head scaled by `head_norm.weight[c] / (1 - lambda_init)`."""
+
+    def compute():
+        weight = source[o_proj_name]
+        if head_norm_name is None:  # a weightless head norm is a weight of ones
+            return (weight.float() / diffllama_scale).to(weight.dtype)
+        channel_scale = source[head_norm_name].float()  # [2d]
+        hidden_size = weight.shape[0]
+        per_head = weight.float().reshape(hidden_size, -1, channel_scale.numel())  # [hidden, H/2, 2d]
+        folded = per_head * (channel_scale / diffllama_scale)
+        return folded.reshape(hidden_size, -1).to(weight.dtype)
+
+    return compute

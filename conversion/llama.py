@@ -1,0 +1,241 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""Llama-family checkpoints (Llama, Mistral, Qwen2) -> DINT.
+
+DINT uses DiffLlama's head layout, in which q/k/v/o have Llama's shapes, so a Llama-family checkpoint maps onto DINT
+by copying tensors (`head_init="copy"`, the default): the `num_attention_heads` softmax maps become `H/2` differential
+heads (signal map i = Llama head i, noise map i = Llama head i + H/2; the value heads g and g + Hkv/2 form the
+`2*head_dim` value channels of a differential head). Only the lambda vectors (normal(0, lambda_std_dev), seeded) and
+the head norms (ones) are new. The attention computed is a different function of the same weights: the converted
+model starts from Llama's weights, not from Llama's outputs, and needs continued training.
+
+`head_init="duplicate"` instead keeps the function. Every Llama head becomes one differential head whose signal map
+and noise map are both copies of that head (q, k, v duplicated, so `H -> 2H` and `Hkv -> 2Hkv`), its value channels
+are two copies of the head's value, `o_proj` reads half of the head's output from each copy, the lambda vectors are
+drawn and then adjusted so that lambda is exactly 0 (`exp(lq1.lk1) = exp(lq2.lk2) - lambda_init`) and the head norm
+is off (`head_norm=False`). Then `A_final = A1 - 0*A2 + 0*G = A1`: the converted DINT computes the Llama model's
+logits (up to float rounding) for every integral mode, and training moves lambda away from 0. It works for any head
+count (SmolLM2-135M has 9 heads and 3 key/value heads, which `copy` cannot pair), at the price of doubling the
+attention projections and the KV cache.
+"""
+
+import math
+
+import torch
+from transformers import PreTrainedConfig
+
+from modeling_dint import DintConfig, DintForCausalLM
+
+from .plan import ConversionPlan
+
+
+LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
+"""Source `model_type`s this converter accepts: a pre-RMSNorm decoder with RoPE, SwiGLU and Llama's tensor names."""
+
+HEAD_INITS = ("copy", "duplicate")
+
+SKIPPED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers that old Llama checkpoints store and DINT recomputes."""
+
+
+def dint_config_from_llama(
+    source_config: PreTrainedConfig,
+    integral: str = "mean",
+    head_init: str = "copy",
+    lambda_std_dev: float | None = None,
+) -> DintConfig:
+    """The DINT config of a converted Llama-family model; checks that its heads can be paired.
+
+    Raises:
+        ValueError: an unsupported `model_type`, or head counts that `head_init="copy"` cannot pair (odd
+            `num_attention_heads` or `num_key_value_heads`).
+    """
+    model_type = source_config.model_type
+    if model_type not in LLAMA_FAMILY_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported architecture for the Llama-family converter: model_type={model_type!r}; supported: "
+            f"{LLAMA_FAMILY_MODEL_TYPES} (and 'diffllama', 'dint' through `convert_checkpoint`)."
+        )
+    if head_init not in HEAD_INITS:
+        raise ValueError(f"`head_init` must be one of {HEAD_INITS}, got {head_init!r}.")
+    num_heads = source_config.num_attention_heads
+    num_kv_heads = source_config.num_key_value_heads or num_heads
+    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // num_heads
+    if head_init == "copy" and (num_heads % 2 != 0 or num_kv_heads % 2 != 0):
+        raise ValueError(
+            f"Cannot pair the heads of this {model_type} checkpoint: num_attention_heads={num_heads}, "
+            f"num_key_value_heads={num_kv_heads}. DINT's differential heads pair softmax maps (head i with head "
+            f"i + H/2) and value heads (g with g + Hkv/2), so `head_init='copy'` needs both counts even. Use "
+            f"`head_init='duplicate'` (CLI: --head-init duplicate), which doubles every head and keeps the model's "
+            f"function exactly."
+        )
+    if head_init == "duplicate":
+        num_heads, num_kv_heads = 2 * num_heads, 2 * num_kv_heads
+    # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
+    attention_bias = True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False))
+    return DintConfig(
+        vocab_size=source_config.vocab_size,
+        hidden_size=source_config.hidden_size,
+        intermediate_size=source_config.intermediate_size,
+        num_hidden_layers=source_config.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_act=source_config.hidden_act,
+        max_position_embeddings=source_config.max_position_embeddings,
+        initializer_range=source_config.initializer_range,
+        rms_norm_eps=source_config.rms_norm_eps,
+        use_cache=source_config.use_cache,
+        pad_token_id=source_config.pad_token_id,
+        bos_token_id=source_config.bos_token_id,
+        eos_token_id=source_config.eos_token_id,
+        tie_word_embeddings=source_config.tie_word_embeddings,
+        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
+        attention_bias=attention_bias,
+        attention_dropout=0.0,
+        mlp_bias=bool(getattr(source_config, "mlp_bias", False)),
+        integral=integral,
+        lambda_init=None,
+        lambda_std_dev=0.1 if lambda_std_dev is None else lambda_std_dev,
+        head_norm=head_init == "copy",
+        head_norm_affine=True,
+        architectures=["DintForCausalLM"],
+    )
+
+
+def initial_lambda_vectors(config: DintConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fresh lambda vectors for every layer, drawn from normal(0, config.lambda_std_dev) with a seeded generator.
+
+    Returns:
+        `{"model.layers.{i}.self_attn.lambda_{q1,k1,q2,k2}": tensor of shape [head_dim] (fp32)}`.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vectors = {}
+    for layer_idx in range(config.num_hidden_layers):
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            vectors[f"model.layers.{layer_idx}.self_attn.{name}"] = (
+                torch.randn(config.head_dim, generator=generator, dtype=torch.float32) * config.lambda_std_dev
+            )
+    return vectors
+
+
+def zero_lambda_vectors(
+    lambda_q1: torch.Tensor, lambda_k1: torch.Tensor, lambda_q2: torch.Tensor, lambda_k2: torch.Tensor, lambda_init: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adjusts drawn lambda vectors (each of shape [head_dim]) so that the layer's lambda is exactly 0.
+
+    `lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init = 0` needs `lq1 . lk1 = log(exp(lq2 . lk2) - lambda_init)`.
+    `lk1`'s component along `lq1` is set to reach that dot product (its other components stay random); if
+    `exp(lq2 . lk2)` is too close to `lambda_init`, `lk2`'s component along `lq2` is first raised the same way.
+    All four vectors stay non-zero, so each gets gradients in training.
+    """
+    lambda_q1, lambda_k1, lambda_q2, lambda_k2 = (v.double() for v in (lambda_q1, lambda_k1, lambda_q2, lambda_k2))
+    if lambda_q1.norm() == 0 or lambda_q2.norm() == 0:
+        raise ValueError("Cannot zero lambda with an all-zero lambda_q1 or lambda_q2 (lambda_std_dev must be > 0).")
+    margin = 0.05
+    noise_dot = torch.dot(lambda_q2, lambda_k2)
+    if math.exp(noise_dot) - lambda_init < margin:
+        lambda_k2 = _with_dot_product(lambda_q2, lambda_k2, math.log(lambda_init + margin))
+        noise_dot = torch.dot(lambda_q2, lambda_k2)
+    signal_dot = math.log(math.exp(noise_dot) - lambda_init)
+    lambda_k1 = _with_dot_product(lambda_q1, lambda_k1, signal_dot)
+    return tuple(v.float() for v in (lambda_q1, lambda_k1, lambda_q2, lambda_k2))
+
+
+def _with_dot_product(query: torch.Tensor, key: torch.Tensor, target: float) -> torch.Tensor:
+    """`key` with its component along `query` replaced so that `query . key == target`."""
+    query_norm_sq = torch.dot(query, query)
+    orthogonal = key - torch.dot(query, key) / query_norm_sq * query
+    return orthogonal + target / query_norm_sq * query
+
+
+def plan_llama_to_dint(
+    source,
+    source_config: PreTrainedConfig,
+    integral: str = "mean",
+    head_init: str = "copy",
+    lambda_std_dev: float | None = None,
+    seed: int = 0,
+) -> ConversionPlan:
+    """Plans the conversion of a Llama-family causal LM to `DintForCausalLM`.
+
+    Args:
+        source: the source tensors, a mapping name -> tensor (a state dict or a `CheckpointReader`) with Llama's
+            names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+        source_config: the source model's config (`LlamaConfig`, `MistralConfig` or `Qwen2Config`).
+        integral: the converted model's `integral` mode.
+        head_init: `"copy"` (tensors as they are) or `"duplicate"` (function-preserving, see the module docstring).
+        lambda_std_dev: standard deviation of the new lambda vectors (default: DINT's 0.1).
+        seed: seed of the new lambda vectors.
+    """
+    config = dint_config_from_llama(source_config, integral, head_init, lambda_std_dev)
+    notes = []
+    sliding_window = getattr(source_config, "sliding_window", None)
+    if sliding_window and getattr(source_config, "use_sliding_window", True):
+        notes.append(
+            f"The source uses sliding-window attention (window {sliding_window}); DINT attends to the whole causal "
+            f"prefix, so outputs differ for sequences longer than the window."
+        )
+    lambda_vectors = initial_lambda_vectors(config, seed)
+    tensors = {}
+    for name in source.keys():
+        if name.endswith(SKIPPED_SOURCE_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensors[name] = _source_tensor(source, name)
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        if config.attention_bias and prefix + "o_proj.bias" not in tensors:  # Qwen2 has no o_proj bias
+            tensors[prefix + "o_proj.bias"] = _zeros(config.hidden_size)
+        if config.head_norm and config.head_norm_affine:
+            tensors[prefix + "head_norm.weight"] = _ones(2 * config.head_dim)
+        lambda_names = [prefix + name for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+        lambdas = [lambda_vectors[name] for name in lambda_names]
+        if head_init == "duplicate":
+            lambdas = zero_lambda_vectors(*lambdas, config.lambda_init_for_layer(layer_idx))
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                for kind in ("weight", "bias"):
+                    if prefix + f"{projection}.{kind}" in tensors:
+                        tensors[prefix + f"{projection}.{kind}"] = _duplicated_rows(source, prefix + f"{projection}.{kind}")
+            tensors[prefix + "o_proj.weight"] = _split_output_columns(source, prefix + "o_proj.weight", config.head_dim)
+        for name, value in zip(lambda_names, lambdas):
+            tensors[name] = _constant(value)
+    notes.append(
+        f"head_init={head_init!r}: {config.num_attention_heads} softmax maps ({config.num_attention_heads // 2} "
+        f"differential heads), {config.num_key_value_heads} key/value heads, head_norm={config.head_norm}."
+    )
+    return ConversionPlan(config=config, model_class=DintForCausalLM, tensors=tensors, notes=notes)
+
+
+def _source_tensor(source, name):
+    return lambda: source[name]
+
+
+def _constant(value: torch.Tensor):
+    return lambda: value.clone()
+
+
+def _zeros(size: int):
+    return lambda: torch.zeros(size)
+
+
+def _ones(size: int):
+    return lambda: torch.ones(size)
+
+
+def _duplicated_rows(source, name):
+    """`[rows; rows]`: a projection (or its bias) whose heads are repeated as a second block of heads."""
+    return lambda: torch.cat([source[name], source[name]], dim=0)
+
+
+def _split_output_columns(source, name, head_dim):
+    """o_proj `[hidden, H*d]` -> `[hidden, 2H*d]`: differential head i reads `W_i / 2` from each of its two value
+    halves, which both hold Llama head i's output, so the sum is `W_i` times that output."""
+
+    def compute():
+        weight = source[name]
+        hidden_size = weight.shape[0]
+        per_head = weight.reshape(hidden_size, -1, 1, head_dim) / 2
+        return per_head.expand(-1, -1, 2, -1).reshape(hidden_size, -1)
+
+    return compute

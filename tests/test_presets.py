@@ -1,0 +1,72 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""Presets: the paper's model sizes build (on the meta device) with the parameter count their name says."""
+
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from modeling_dint import DintConfig, DintForCausalLM, preset_names
+
+
+PAPER_SIZES = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9, "3b": 3.0e9}
+"""Table 3's scaling sizes (830M-13.1B, from DIFF's scaling table) and Table 1's 3B model."""
+
+
+def test_every_preset_ships_and_loads_as_a_dint_config():
+    assert set(preset_names()) == set(PAPER_SIZES) | {"tiny"}
+    for name in preset_names():
+        fields = json.loads((resources.files("modeling_dint.presets") / f"{name}.json").read_text(encoding="utf-8"))
+        assert fields["model_type"] == "dint" and fields["architectures"] == ["DintForCausalLM"]
+        assert DintConfig(**fields).to_dict()["hidden_size"] == fields["hidden_size"]
+        assert DintConfig.from_preset(name).num_hidden_layers == fields["num_hidden_layers"]
+
+
+def test_table_1_3b_preset_is_the_papers_configuration():
+    config = DintConfig.from_preset("3b")
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size) == (
+        28, 3072, 8192, 100288
+    )
+    assert config.num_attention_heads // 2 == 12 and config.head_dim == 128  # 12 differential heads of 2 x 128
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_SIZES))
+def test_paper_preset_parameter_count_matches_its_name(name):
+    config = DintConfig.from_preset(name)
+    with torch.device("meta"):
+        model = DintForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())  # tied embeddings are counted once
+    embedding = config.vocab_size * config.hidden_size
+    if name == "3b":
+        # Table 1's 3B configuration holds 3.48B parameters with its 308M-parameter embedding (the papers round it
+        # down to "3B", like the 3B baselines they compare with); without the embedding it is 3.17B.
+        assert abs(total - embedding - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.10, total
+    else:
+        assert abs(total - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.10, total
+    # DINT adds no parameters to DIFF: per layer q/k/v/o, SwiGLU, two norms, 4 lambda vectors, the head norm.
+    hidden, ffn, d = config.hidden_size, config.intermediate_size, config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    per_layer = hidden * d * (2 * heads + 2 * kv_heads) + 3 * hidden * ffn + 2 * hidden + 4 * d + 2 * d
+    assert total == config.num_hidden_layers * per_layer + embedding + hidden
+
+
+def test_tiny_preset_builds_and_trains_for_real():
+    torch.manual_seed(0)
+    config = DintConfig.from_preset("tiny")
+    model = DintForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_unknown_preset_names_the_available_ones():
+    with pytest.raises(ValueError, match="Unknown preset '7b'.*'tiny'"):
+        DintConfig.from_preset("7b")
