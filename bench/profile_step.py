@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +59,8 @@ def main() -> None:
     args.max_positions = args.seq_len + 2 * args.repeats + 8
     size_kwargs = bench_common.model_size_kwargs(args)
     is_cuda = args.device.startswith("cuda")
+    if is_cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as run_benchmark.py (see its --cudnn-sdpa)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
     sort_key = "self_cuda_time_total" if is_cuda else "self_cpu_time_total"
 

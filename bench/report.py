@@ -104,8 +104,8 @@ def targets_table(tables: Tables) -> list[str]:
         if not values:
             return None, "not measured"
         n, ratio = max(values, key=lambda item: item[1])
-        text = ", ".join(f"{r:.2f} @ {length}" for length, r in values)
-        return ratio, f"worst {ratio:.2f} (N={n}); all: {text}"
+        text = ", ".join(f"{r:.3f} @ {length}" for length, r in values)
+        return ratio, f"worst {ratio:.3f} (N={n}); all: {text}"
 
     if {"dint_fast", "diffllama"} <= have:
         for mode, label in (("forward_backward", "forward+backward"), ("forward", "forward")):
@@ -249,7 +249,8 @@ def render_markdown(results: dict) -> str:
         "",
         f"Method: {settings['warmup']} warm-up + {settings['repeats']} timed repetitions per model and length, the "
         f"models run round-robin inside each repetition (order rotated); decode: {settings['decode_warmup']} warm-up + "
-        f"{settings['decode_tokens']} timed greedy tokens, round-robin. Forward = no-grad pass over the sequence; "
+        f"{settings['decode_blocks']} timed samples of {settings['decode_block']} consecutive greedy tokens per model, "
+        "round-robin, the Python garbage collector off while timing. Forward = no-grad pass over the sequence; "
         "forward+backward = LM loss and backward.",
         "",
         "Sanity: " + ", ".join(f"{k} = {v:.2e}" for k, v in results["sanity"].items()),

@@ -18,6 +18,8 @@ one-to-two-minute smoke run; `--help` lists the knobs.
 """
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -54,8 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and length")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per model and length")
-    parser.add_argument("--decode-warmup", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=24, help="timed decode steps per model and prompt")
+    parser.add_argument("--decode-warmup", type=int, default=2, help="untimed decode samples (blocks)")
+    parser.add_argument("--decode-blocks", type=int, default=8, help="timed decode samples per model and prompt")
+    parser.add_argument("--decode-block", type=int, default=4, help="consecutive tokens per decode sample")
     parser.add_argument(
         "--memory-budget-gb",
         type=float,
@@ -68,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         help="longest sequence for the O(N^2) eager reference (CPU default 4096: time; GPU default none)",
+    )
+    parser.add_argument(
+        "--cudnn-sdpa",
+        action="store_true",
+        help="let sdpa pick its cuDNN backend on CUDA (off by default: cuDNN builds an execution plan for every new "
+        "key length, i.e. every decode step, and in one process only the model that meets a length first pays)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
@@ -85,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seq_lens = args.seq_lens or "256,512,1024"
         args.prompt_lens = args.prompt_lens or "128,512"
         args.warmup, args.repeats = 1, 2
-        args.decode_warmup, args.decode_tokens = 2, 6
+        args.decode_warmup, args.decode_blocks = 1, 3
     default_lens = "1024,2048,4096,8192,16384,32768" if is_cuda else "512,1024,2048,4096,8192"
     args.seq_lens = [int(n) for n in (args.seq_lens or default_lens).split(",")]
     args.prompt_lens = [int(n) for n in (args.prompt_lens or "128,512,2048,4096,8192").split(",")]
@@ -100,10 +109,29 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.memory_budget_gb = 10.0
     if args.eager_max_len is None:
         args.eager_max_len = 0 if is_cuda else 4096
-    args.max_positions = max(args.seq_lens + [p + args.decode_warmup + args.decode_tokens + 1 for p in args.prompt_lens])
+    args.max_positions = max(args.seq_lens + [p + (args.decode_warmup + args.decode_blocks) * args.decode_block + 1 for p in args.prompt_lens])
     if args.output_dir is None:
         args.output_dir = os.path.join(BENCH_DIR, "results", f"{args.device.split(':')[0]}_{args.dtype}")
     return args
+
+
+@contextlib.contextmanager
+def timed_region(device: str):
+    """Wall time of the block, the device synchronized on both ends, Python's cyclic garbage collector off inside
+    (a full collection over four models' objects takes tens of milliseconds and would land on whichever model runs
+    when it triggers)."""
+    timer = {"seconds": None}
+    collector_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        bench_common.synchronize(device)
+        started = time.perf_counter()
+        yield timer
+        bench_common.synchronize(device)
+        timer["seconds"] = time.perf_counter() - started
+    finally:
+        if collector_was_enabled:
+            gc.enable()
 
 
 def summarize(samples: list[float]) -> dict:
@@ -231,16 +259,14 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                 for name in active[shift:] + active[:shift]:
                     if name in failed:
                         continue
-                    bench_common.collect_garbage(device)
+                    gc.collect()  # outside the timed region; the collector stays off inside it (see `timed_region`)
                     if is_cuda:
                         torch.cuda.reset_peak_memory_stats(device)
                         allocated_before = torch.cuda.memory_allocated(device)
                     try:
-                        bench_common.synchronize(device)
-                        started = time.perf_counter()
-                        step(models[name], input_ids)
-                        bench_common.synchronize(device)
-                        elapsed = time.perf_counter() - started
+                        with timed_region(device) as timer:
+                            step(models[name], input_ids)
+                        elapsed = timer["seconds"]
                     except torch.OutOfMemoryError as error:
                         failed[name] = f"out of memory: {str(error).splitlines()[0][:200]}"
                         models[name].zero_grad(set_to_none=True)
@@ -295,16 +321,17 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                 "samples": [],
             }
             active.append(name)
-        for step_index in range(args.decode_warmup + args.decode_tokens):
-            shift = step_index % max(len(active), 1)
+        # Each sample times `--decode-block` consecutive tokens of one model (a hiccup of the host then spreads over
+        # the models instead of landing on whichever model a periodic one falls on); blocks run round-robin.
+        for block_index in range(args.decode_warmup + args.decode_blocks):
+            shift = block_index % max(len(active), 1)
             for name in active[shift:] + active[:shift]:
                 state = states[name]
-                bench_common.synchronize(device)
-                started = time.perf_counter()
-                state["next_token"] = bench_common.decode_step(models[name], state["cache"], state["next_token"])
-                bench_common.synchronize(device)
-                if step_index >= args.decode_warmup:
-                    state["samples"].append(time.perf_counter() - started)
+                with timed_region(device) as timer:
+                    for _ in range(args.decode_block):
+                        state["next_token"] = bench_common.decode_step(models[name], state["cache"], state["next_token"])
+                if block_index >= args.decode_warmup:
+                    state["samples"].append(timer["seconds"] / args.decode_block)
         for name in active:
             state = states[name]
             layers_after_decode = bench_common.cache_layer_bytes(state["cache"])
@@ -312,7 +339,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                 {
                     "model": name,
                     "prompt_len": prompt_len,
-                    "decoded_tokens": args.decode_warmup + args.decode_tokens,
+                    "decoded_tokens": (args.decode_warmup + args.decode_blocks) * args.decode_block,
                     "per_token_s": summarize(state["samples"]),
                     "cache_bytes_after_prefill": sum(l["kv_bytes"] + l["integral_bytes"] for l in state["layers_after_prefill"]),
                     "kv_bytes_after_prefill": sum(l["kv_bytes"] for l in state["layers_after_prefill"]),
@@ -346,6 +373,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     os.makedirs(args.output_dir, exist_ok=True)
     started = time.perf_counter()
 
