@@ -52,8 +52,8 @@ def detect_source_format(source_dir: str | Path) -> str:
         return model_type
     raise ValueError(
         f"Unsupported architecture: model_type={model_type!r} in {str(config_file)!r}. Supported: "
-        f"{LLAMA_FAMILY_MODEL_TYPES} (-> DINT), 'diffllama' (-> DINT), 'dint' (-> DiffLlama), and Microsoft's reference "
-        f"Diff-Transformer layout with --source-format reference-diff."
+        f"{LLAMA_FAMILY_MODEL_TYPES} (-> DINT), 'diffllama' (-> DINT), 'dint' (-> DiffLlama), and Microsoft's "
+        f"reference Diff-Transformer layout with --source-format reference-diff."
     )
 
 

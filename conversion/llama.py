@@ -119,7 +119,11 @@ def initial_lambda_vectors(config: DintConfig, seed: int = 0) -> dict[str, torch
 
 
 def zero_lambda_vectors(
-    lambda_q1: torch.Tensor, lambda_k1: torch.Tensor, lambda_q2: torch.Tensor, lambda_k2: torch.Tensor, lambda_init: float
+    lambda_q1: torch.Tensor,
+    lambda_k1: torch.Tensor,
+    lambda_q2: torch.Tensor,
+    lambda_k2: torch.Tensor,
+    lambda_init: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Adjusts drawn lambda vectors (each of shape [head_dim]) so that the layer's lambda is exactly 0.
 
@@ -195,8 +199,9 @@ def plan_llama_to_dint(
             lambdas = zero_lambda_vectors(*lambdas, config.lambda_init_for_layer(layer_idx))
             for projection in ("q_proj", "k_proj", "v_proj"):
                 for kind in ("weight", "bias"):
-                    if prefix + f"{projection}.{kind}" in tensors:
-                        tensors[prefix + f"{projection}.{kind}"] = _duplicated_rows(source, prefix + f"{projection}.{kind}")
+                    name = f"{prefix}{projection}.{kind}"
+                    if name in tensors:
+                        tensors[name] = _duplicated_rows(source, name)
             tensors[prefix + "o_proj.weight"] = _split_output_columns(source, prefix + "o_proj.weight", config.head_dim)
         for name, value in zip(lambda_names, lambdas):
             tensors[name] = _constant(value)

@@ -35,12 +35,15 @@ from .plan import ConversionPlan
 
 
 ROTARY_LAYOUTS = ("interleaved", "half")
-"""`interleaved`: the reference code's RoPE (pairs (2j, 2j+1)); `half`: a checkpoint trained with Llama's rotate_half."""
+"""`interleaved`: the reference code's RoPE (pairs (2j, 2j+1)); `half`: a checkpoint trained with Llama's
+rotate_half (pairs (j, j + d/2))."""
 
 REFERENCE_ATTENTION_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight", "subln.weight")
 
 
-def reference_head_mapping(num_heads: int, num_kv_heads: int) -> tuple[int, list[int], list[int], list[tuple[int, int]]]:
+def reference_head_mapping(
+    num_heads: int, num_kv_heads: int
+) -> tuple[int, list[int], list[int], list[tuple[int, int]]]:
     """Where each DINT head comes from in the reference layout.
 
     Args:

