@@ -1,0 +1,51 @@
+"""Helpers the tests share: tiny configs and models, built here (nothing is downloaded)."""
+
+import torch
+
+from modeling_dint import DintConfig, DintForCausalLM
+
+
+def tiny_config(**overrides) -> DintConfig:
+    """A 2-layer DINT with GQA (4 softmax maps = 2 differential heads, 2 KV heads) and non-trivial lambdas."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        lambda_std_dev=0.3,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    fields.update(overrides)
+    return DintConfig(**fields)
+
+
+def tiny_model(attn_implementation: str = "sdpa", dtype=torch.float32, seed: int = 0, **overrides) -> DintForCausalLM:
+    """A tiny DINT LM in eval mode, the same weights for the same seed and config whatever the attention backend;
+    its head-norm weights are perturbed so that the tests see them act."""
+    torch.manual_seed(seed)
+    config = tiny_config(**overrides)
+    config._attn_implementation = attn_implementation
+    model = DintForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            norm_weight = getattr(layer.self_attn.head_norm, "weight", None)
+            if norm_weight is not None:
+                norm_weight.uniform_(0.5, 1.5)
+    return model
+
+
+def left_padded_batch(vocab_size: int = 128, lengths=(9, 5), pad_token_id: int = 0, seed: int = 0):
+    """Random prompts of different lengths, left-padded: returns input_ids and attention_mask `[B, max(lengths)]`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(2, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
