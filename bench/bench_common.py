@@ -175,6 +175,7 @@ def machine_info(device: str) -> dict:
         "transformers": transformers.__version__,
         "device": device,
         "git_commit": _git_commit(),
+        "load_average_1_5_15": load_average(),
     }
     try:
         import modeling_dint
@@ -192,6 +193,14 @@ def machine_info(device: str) -> dict:
         except ImportError:
             info["flash_attn"] = None
     return info
+
+
+def load_average() -> list[float] | None:
+    """The system's 1, 5 and 15 minute load averages: other work on the same cores shows up here."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _cpu_model() -> str:

@@ -238,7 +238,13 @@ def render_markdown(results: dict) -> str:
         f"{machine.get('memory_gb')} GB; {machine.get('platform')}. Python {machine.get('python')}, torch "
         f"{machine.get('torch')}, transformers {machine.get('transformers')}, modeling_dint "
         f"{machine.get('modeling_dint')} (commit {machine.get('git_commit')}); {machine.get('date_utc')}; run took "
-        f"{results.get('wall_s', 0) / 60:.1f} min.",
+        f"{results.get('wall_s', 0) / 60:.1f} min"
+        + (
+            f"; load average (1, 5, 15 min) at start {machine['load_average_at_start']}, at end "
+            f"{machine.get('load_average_1_5_15')}."
+            if machine.get("load_average_at_start")
+            else "."
+        ),
         "",
         f"Model (all four): hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} softmax maps ({config['num_attention_heads'] // 2} differential heads for "

@@ -385,6 +385,9 @@ def main(argv=None) -> None:
     dtype = bench_common.DTYPES[args.dtype]
     log(f"models {args.models} at {size_kwargs}, {args.dtype}, attn={args.attn}, device={args.device}")
     skips = Skips(args)
+    load_at_start = bench_common.load_average()
+    if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
+        log(f"warning: load average {load_at_start} on {os.cpu_count()} CPUs: other work will add noise to the timings")
 
     memory_results = []
     if not args.device.startswith("cuda") and not args.no_memory:
@@ -400,7 +403,7 @@ def main(argv=None) -> None:
     decode_results = measure_decode(args, models, skips, log)
 
     results = {
-        "machine": bench_common.machine_info(args.device),
+        "machine": {**bench_common.machine_info(args.device), "load_average_at_start": load_at_start},
         "settings": {
             key: value for key, value in vars(args).items() if key not in ("output_dir",)
         },
