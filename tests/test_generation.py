@@ -253,3 +253,23 @@ def test_pipeline_and_text_streamer():
         streamed = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=TextStreamer(tokenizer))
     assert torch.equal(streamed, expected)
     assert printed.getvalue().strip() == expected_text.strip()
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_with_static_cache_matches_eager():
+    """torch.compile(fullgraph=True) of the decode step with the static cache: no graph break, the same logits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny_model("sdpa")
+    input_ids = torch.randint(2, 128, (2, 10))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        model(input_ids[:, :6], past_key_values=cache)
+        decode_step = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        steps = [
+            decode_step(input_ids[:, t : t + 1], past_key_values=cache, position_ids=torch.full((2, 1), t)).logits
+            for t in range(6, 10)
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 6:], atol=1e-5, rtol=1e-5)
