@@ -17,6 +17,7 @@ from transformers import (
 
 from .cache_dint import DintDynamicLayer, DintStaticLayer
 from .configuration_dint import DintConfig, preset_names
+from .hub import dint_model_card, push_dint_to_hub, save_dint_for_hub
 from .modeling_dint import (
     DintForCausalLM,
     DintForQuestionAnswering,

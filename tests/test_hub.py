@@ -1,0 +1,203 @@
+"""Sharing DINT models on the Hub: the generated model card, and the push / trust_remote_code load round trip against
+the Hub-compatible test server (tests/hub_server.py).
+
+huggingface_hub reads HF_ENDPOINT when it is imported, so the clients run in fresh subprocesses pointed at the server.
+The loading process cannot import `modeling_dint` (a meta-path finder refuses it): the model must come from the remote
+code that travelled with the weights.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from dint_testing import tiny_model
+from hub_server import HubServer
+from modeling_dint import DintConfig, dint_model_card, save_dint_for_hub
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
+REMOTE_CODE_FILES = {"configuration_dint.py", "modeling_dint.py", "cache_dint.py"}
+
+
+def front_matter(readme: str) -> dict:
+    assert readme.startswith("---\n"), readme[:80]
+    return yaml.safe_load(readme.split("---\n", 2)[1])
+
+
+def test_model_card_metadata_and_body():
+    model = tiny_model(integral="softmax", lambda_init=0.5)
+    card = dint_model_card(model, repo_id="someone/dint-test", tags=["shakespeare", "dint"],
+                           eval_results={"held-out perplexity": 123.4})
+    metadata = front_matter(card)
+    assert metadata["library_name"] == "transformers"
+    assert metadata["pipeline_tag"] == "text-generation"
+    assert metadata["tags"] == ["dint", "arxiv:2501.17486", "shakespeare"]
+    assert metadata["dint"]["integral"] == "softmax"
+    assert metadata["dint"]["lambda_init"] == 0.5
+    assert metadata["dint"]["num_parameters"] == model.num_parameters()
+    body = card.split("---\n", 2)[2]
+    assert "# dint-test" in body
+    assert "https://arxiv.org/abs/2501.17486" in body
+    assert f"{model.num_parameters():,}" in body and "`softmax`" in body
+    assert 'from_pretrained("someone/dint-test", trust_remote_code=True)' in body
+    assert "| held-out perplexity | 123.4 |" in body
+
+    # From a config alone: no parameter count, still the integral mode.
+    config_card = front_matter(dint_model_card(DintConfig.from_preset("tiny", integral="none")))
+    assert config_card["dint"]["integral"] == "none" and "num_parameters" not in config_card["dint"]
+
+
+def test_model_card_refuses_other_models():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    with pytest.raises(TypeError, match="DINT model"):
+        dint_model_card(llama)
+
+
+def test_save_dint_for_hub_writes_a_loadable_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    model = tiny_model(vocab_size=len(tokenizer))
+    save_dint_for_hub(model, tmp_path, tokenizer=tokenizer)
+    files = set(os.listdir(tmp_path))
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert REMOTE_CODE_FILES <= files
+    assert front_matter((tmp_path / "README.md").read_text())["dint"]["num_parameters"] == model.num_parameters()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    reference = model.state_dict()
+    assert all(reloaded.state_dict()[name].equal(tensor) for name, tensor in reference.items())
+
+
+PUSH_SCRIPT = """
+import json, sys
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+from modeling_dint import DintConfig, DintForCausalLM, push_dint_to_hub
+
+tokenizer_dir, out_dir = sys.argv[1:3]
+tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+torch.manual_seed(0)
+config = DintConfig.from_preset("tiny", vocab_size=len(tokenizer), lambda_std_dev=0.3)
+model = DintForCausalLM(config).eval()
+prompt = tokenizer("Who's there? Nay, answer me", return_tensors="pt")
+
+def greedy():
+    with torch.no_grad():
+        return model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0].tolist()
+
+first = push_dint_to_hub(model, tokenizer, "test-org/dint-tiny", training_summary="Random weights (test).")
+save_file(model.state_dict(), out_dir + "/first.safetensors")
+first_tokens = greedy()
+with torch.no_grad():
+    for layer in model.model.layers:
+        layer.self_attn.lambda_q1.add_(0.5)
+        layer.mlp.up_proj.weight.mul_(3.0)
+# The second push is transformers' own push_to_hub: it must keep the DINT card that is already in the repo.
+second = model.push_to_hub("test-org/dint-tiny")
+save_file(model.state_dict(), out_dir + "/second.safetensors")
+second_tokens = greedy()
+print(json.dumps({"first": first.oid, "second": second.oid, "first_tokens": first_tokens,
+                  "second_tokens": second_tokens, "num_parameters": model.num_parameters()}))
+"""
+
+LOAD_SCRIPT = """
+import importlib.abc, importlib.util, json, sys
+
+class BlockModelingDint(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "modeling_dint" or name.startswith("modeling_dint."):
+            raise ImportError(f"blocked: {name} (the model must load from the Hub's remote code)")
+        return None
+
+sys.meta_path.insert(0, BlockModelingDint())
+try:
+    import modeling_dint
+    blocked = False
+except ImportError:
+    blocked = True
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+out_dir, first_sha = sys.argv[1:3]
+tokenizer = AutoTokenizer.from_pretrained("test-org/dint-tiny", trust_remote_code=True)
+prompt = tokenizer("Who's there? Nay, answer me", return_tensors="pt")
+seen = {"blocked": blocked}
+for name, revision in [("latest", None), ("first", first_sha)]:
+    model = AutoModelForCausalLM.from_pretrained("test-org/dint-tiny", revision=revision, trust_remote_code=True).eval()
+    with torch.no_grad():
+        tokens = model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    state = model.state_dict()
+    seen[name] = {
+        "module": type(model).__module__,
+        "class": type(model).__name__,
+        "tokens": tokens[0].tolist(),
+        "weights_equal": {reference: sorted(state) == sorted(load_file(f"{out_dir}/{reference}.safetensors"))
+                          and all(torch.equal(state[key], tensor)
+                                  for key, tensor in load_file(f"{out_dir}/{reference}.safetensors").items())
+                          for reference in ("first", "second")},
+    }
+seen["modeling_dint_imported"] = any(name.split(".")[0] == "modeling_dint" for name in sys.modules)
+print(json.dumps(seen))
+"""
+
+
+def run_client(server, tmp_path, script, *args):
+    env = server.client_env(hf_home=tmp_path / "hf_home")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, f"client failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_push_to_hub_and_trust_remote_code_load_with_revision_pinning(tmp_path):
+    with HubServer() as server:
+        pushed = run_client(server, tmp_path, PUSH_SCRIPT, TOKENIZER_DIR, tmp_path)
+        # A fresh process, a fresh cache, and no way to import the package: only the Hub's files.
+        (tmp_path / "loader").mkdir()
+        loaded = run_client(server, tmp_path / "loader", LOAD_SCRIPT, tmp_path, pushed["first"])
+        repo = server.repos[("model", "test-org/dint-tiny")]
+        assert not [request for request in server.requests if request[2] == 500]
+        assert server.unhandled == []
+
+    # What the repo holds, at each commit.
+    assert pushed["first"] != pushed["second"]
+    for sha in (pushed["first"], pushed["second"]):
+        files = repo.resolve_revision(sha).files
+        assert {"model.safetensors", "config.json", "README.md", "generation_config.json"} <= set(files)
+        assert REMOTE_CODE_FILES <= set(files)
+        config = json.loads(repo.blobs[files["config.json"]])
+        assert config["model_type"] == "dint"
+        assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dint.DintForCausalLM"
+        assert config["auto_map"]["AutoConfig"] == "configuration_dint.DintConfig"
+        card = repo.blobs[files["README.md"]].decode()
+        metadata = front_matter(card)
+        assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-generation"
+        assert "dint" in metadata["tags"] and "arxiv:2501.17486" in metadata["tags"]
+        assert metadata["dint"]["integral"] == "mean"
+        assert metadata["dint"]["num_parameters"] == pushed["num_parameters"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(repo.resolve_revision(pushed["first"]).files)
+
+    # Loaded by repo id through remote code, with the package blocked.
+    assert loaded["blocked"] and not loaded["modeling_dint_imported"]
+    for name in ("latest", "first"):
+        assert loaded[name]["module"].startswith("transformers_modules."), loaded[name]["module"]
+        assert loaded[name]["class"] == "DintForCausalLM"
+    assert loaded["latest"]["weights_equal"] == {"first": False, "second": True}
+    assert loaded["first"]["weights_equal"] == {"first": True, "second": False}, "revision pinning failed"
+    assert loaded["latest"]["tokens"] == pushed["second_tokens"]
+    assert loaded["first"]["tokens"] == pushed["first_tokens"]
+    assert pushed["first_tokens"] != pushed["second_tokens"]
