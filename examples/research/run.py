@@ -73,7 +73,7 @@ class Settings:
     needle_context: int = 64
     needle_count: int = 4
     needle_queries: int = 2
-    needle_steps: int = 600
+    needle_steps: int = 400
     needle_batch: int = 32
     needle_lr: float = 3e-3
     needle_eval_examples: int = 256
@@ -83,7 +83,7 @@ class Settings:
     filler_vocab: int = 64
     # language modelling
     lm_context: int = 128
-    lm_steps: int = 300
+    lm_steps: int = 150
     lm_batch: int = 16
     lm_lr: float = 3e-3
     lm_eval_tokens: int = 76_800
