@@ -798,9 +798,11 @@ def main(argv=None) -> Path:
     command = "python examples/research/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
     started = time.time()
     load_start = os.getloadavg()[0]
+    torch.set_num_threads(settings.threads)
+    environment_at_start = environment()  # the commit the run started from
     results = run_experiment(settings, progress_disable=args.no_progress)
     results["settings"] = dataclasses.asdict(settings)
-    results["environment"] = environment()
+    results["environment"] = environment_at_start
     results["lm_vocab"] = len(AutoTokenizer.from_pretrained(DATA_DIR / "tokenizer"))
     window_count = settings.lm_eval_tokens // settings.lm_context
     results["lm_heldout_tokens"] = window_count * settings.lm_context
