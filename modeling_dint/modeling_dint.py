@@ -101,6 +101,11 @@ def segmented_running_sum(
     """
     # `where`, never a product: a padding row may hold anything, NaN included.
     rows = torch.where(query_valid[:, None, :, None], rows.float(), 0.0)
+    if rows.shape[-2] == 1:  # one decoding step: the same sum, in a handful of small ops
+        if carry is None:
+            return rows
+        carried = nn.functional.pad(carry.float(), (0, rows.shape[-1] - carry.shape[-1]))[:, :, None, :]
+        return rows + torch.where(document_start[:, None, :, None], 0.0, carried)
     totals = rows.cumsum(dim=-2)
     # Row index where each row's document starts in this call, -1 when it started before (then the carry applies).
     row_index = torch.arange(rows.shape[-2], device=rows.device)
