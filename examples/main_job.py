@@ -1,8 +1,11 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The main job: train a small DINT Transformer on Shakespeare and ship it in Hub format, all on a CPU.
 
-    python examples/main_job.py            # ~4 minutes on 2 CPU cores: writes outputs/dint-tiny
-    python examples/main_job.py --quick    # ~30 s smoke run (what the test runs)
+    python examples/main_job.py            # 3-5 minutes on 2 CPU cores: writes outputs/dint-tiny
+    python examples/main_job.py --quick    # ~30-45 s smoke run (what tests/test_main_job.py runs)
+
+Measured (2 cores shared with other jobs, load average ~8, so 1 torch thread): 5 min 04 s wall, 143 s of CPU time,
+0.8 GB peak memory; held-out perplexity 4233 -> 197 after 600 steps of 8 x 256 tokens.
 
 Steps, each printed as it runs:
 1. builds a DINT from a preset (`tiny` by default, its vocabulary resized to the repo's tokenizer, 4096 tokens);
@@ -20,6 +23,7 @@ Everything is local: the corpus and tokenizer are in the repo, nothing is downlo
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -123,6 +127,8 @@ def set_cpu_threads(threads: int | None) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # checked now rather than after minutes of training
+        raise SystemExit("examples/main_job.py plots the training loss with matplotlib: pip install 'matplotlib>=3.8'")
     max_steps = args.max_steps or (20 if args.quick else 600)
     eval_blocks = args.eval_blocks or (16 if args.quick else None)
     output_dir = Path(args.output_dir)
