@@ -27,6 +27,8 @@ import importlib.util
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,8 +171,9 @@ def main(argv=None) -> dict:
         f"{heldout_blocks.numel():,} held-out tokens"
     )
 
+    trainer_dir = tempfile.mkdtemp(prefix="dint-main-job-")
     training_args = TrainingArguments(
-        output_dir=str(output_dir / "trainer"),
+        output_dir=trainer_dir,  # Trainer's scratch folder (no checkpoints are saved); the model goes to output_dir
         max_steps=max_steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -202,6 +205,7 @@ def main(argv=None) -> dict:
 
     print("[4/7] Held-out perplexity after training")
     perplexity_after = perplexity(trainer, heldout_dataset)
+    shutil.rmtree(trainer_dir, ignore_errors=True)
     print(f"      {perplexity_before:.1f} -> {perplexity_after:.1f}")
 
     print(f"[5/7] Saving in Hub format to {output_dir}")

@@ -27,6 +27,7 @@ def test_main_job_quick(tmp_path):
         "model.safetensors", "config.json", "generation_config.json", "configuration_dint.py", "modeling_dint.py",
         "cache_dint.py", "tokenizer.json", "tokenizer_config.json", "README.md", "training_loss.png", "metrics.json",
     } <= files
+    assert not [name for name in files if (output_dir / name).is_dir()], "only the model's files belong in the folder"
     assert (output_dir / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((output_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_dint.DintForCausalLM"
