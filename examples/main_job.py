@@ -44,7 +44,9 @@ PLAY_SEPARATOR = "\n\n\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--preset", default="tiny", choices=preset_names(), help="model preset (default: tiny)")
     parser.add_argument("--output_dir", default="outputs/dint-tiny", help="where the model goes (default: %(default)s)")
     parser.add_argument("--max_steps", type=int, default=None,
@@ -122,7 +124,8 @@ def set_cpu_threads(threads: int | None) -> None:
         return
     if threads is None and hasattr(os, "getloadavg") and os.getloadavg()[0] >= (os.cpu_count() or 1):
         threads = 1
-        print(f"      the CPU is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): 1 torch thread")
+        load_average = os.getloadavg()[0]
+        print(f"      the CPU is busy (load average {load_average:.1f} on {os.cpu_count()} cores): 1 torch thread")
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -201,7 +204,8 @@ def main(argv=None) -> dict:
     train_output = trainer.train()
     train_seconds = time.perf_counter() - train_started
     logged_losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"      {train_seconds:.0f} s; training loss {logged_losses[0]:.2f} (first log) -> {logged_losses[-1]:.2f} (last)")
+    first_loss, last_loss = logged_losses[0], logged_losses[-1]
+    print(f"      {train_seconds:.0f} s; training loss {first_loss:.2f} -> {last_loss:.2f} (first and last log)")
 
     print("[4/7] Held-out perplexity after training")
     perplexity_after = perplexity(trainer, heldout_dataset)
@@ -251,7 +255,8 @@ def main(argv=None) -> dict:
     probe = heldout_blocks[:2, :64].to(model.device)
     with torch.no_grad():
         max_logit_difference = (model(probe).logits.cpu() - reloaded(probe.cpu()).logits).abs().max().item()
-    print(f"      {type(reloaded).__module__}.{type(reloaded).__name__}; max |logit difference| = {max_logit_difference:.1e}")
+    reloaded_class = f"{type(reloaded).__module__}.{type(reloaded).__name__}"
+    print(f"      {reloaded_class}; max |logit difference| = {max_logit_difference:.1e}")
     prompt = "MACBETH.\n"
     inputs = reloaded_tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(args.seed)

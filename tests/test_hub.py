@@ -93,7 +93,8 @@ prompt = tokenizer("Who's there? Nay, answer me", return_tensors="pt")
 
 def greedy():
     with torch.no_grad():
-        return model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0].tolist()
+        tokens = model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokens[0].tolist()
 
 first = push_dint_to_hub(model, tokenizer, "test-org/dint-tiny", training_summary="Random weights (test).")
 save_file(model.state_dict(), out_dir + "/first.safetensors")

@@ -16,7 +16,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_main_job_quick(tmp_path):
     output_dir = tmp_path / "dint-tiny"
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "examples", "main_job.py"), "--quick", "--output_dir", str(output_dir)],
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "main_job.py"), "--quick",
+         "--output_dir", str(output_dir)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, f"main_job failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
