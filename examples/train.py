@@ -67,6 +67,7 @@ class ScriptArguments:
     max_train_chars: int | None = field(
         default=None, metadata={"help": "Read only the first N characters of each text file (quick runs)."}
     )
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "Evaluate on the first N held-out blocks."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager, flash_attention_2, ..."})
 
 
@@ -105,8 +106,7 @@ def build_model(script_args: ScriptArguments, tokenizer) -> DintForCausalLM:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if config.max_position_embeddings < script_args.block_size:
-        config.max_position_embeddings = script_args.block_size
+    config.max_position_embeddings = max(config.max_position_embeddings, script_args.block_size)
     return DintForCausalLM._from_config(config, attn_implementation=script_args.attn_implementation)
 
 
@@ -171,6 +171,9 @@ def main(argv=None):
         eval_dataset = read_blocks(
             script_args.validation_file, tokenizer, script_args.block_size, script_args.max_train_chars
         )
+        if script_args.max_eval_blocks is not None:
+            num_eval_blocks = min(script_args.max_eval_blocks, len(eval_dataset))
+            eval_dataset = torch.utils.data.Subset(eval_dataset, range(num_eval_blocks))
     model = build_model(script_args, tokenizer)
     logger.info(
         "DINT model: %.2fM parameters, %d training blocks of %d tokens, world size %d",

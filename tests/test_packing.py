@@ -36,9 +36,7 @@ def test_packed_row_logits_equal_each_document_alone(attn_implementation, use_ca
         offset = 0
         for document in documents:
             alone_logits = model(torch.tensor([document])).logits[0]
-            torch.testing.assert_close(
-                packed_logits[offset : offset + len(document)], alone_logits, rtol=0, atol=1e-5
-            )
+            torch.testing.assert_close(packed_logits[offset : offset + len(document)], alone_logits, rtol=0, atol=1e-5)
             offset += len(document)
 
         # The packed loss is the mean of the per-document next-token losses (the collator separates documents
@@ -47,7 +45,9 @@ def test_packed_row_logits_equal_each_document_alone(attn_implementation, use_ca
         token_losses = []
         for document in documents:
             logits = model(torch.tensor([document])).logits[0, :-1]
-            token_losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(document[1:]), reduction="none"))
+            token_losses.append(
+                torch.nn.functional.cross_entropy(logits, torch.tensor(document[1:]), reduction="none")
+            )
         torch.testing.assert_close(packed_loss, torch.cat(token_losses).mean(), rtol=0, atol=1e-5)
 
 

@@ -1,13 +1,9 @@
 """PEFT LoRA on DINT's attention and MLP projections (the module names are Llama's): it trains, merges into the base
 weights with the same logits, and saves / reloads with the same logits."""
 
-import pytest
+import peft
 import torch
-
-
-peft = pytest.importorskip("peft")
-
-from dint_testing import tiny_model  # noqa: E402
+from dint_testing import tiny_model
 
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
