@@ -6,11 +6,13 @@ The same script runs on one process and, unchanged, under Accelerate on several 
     # one process, the repository's Shakespeare corpus, the "tiny" preset
     python examples/train.py --output_dir runs/tiny --max_steps 200
 
-    # DDP on 2 CPU processes (gloo)
-    accelerate launch --config_file examples/accelerate_ddp_cpu.yaml examples/train.py --output_dir runs/ddp ...
+    # DDP on 2 processes (GPUs, or CPU processes with gloo where there is no GPU)
+    accelerate launch --multi_gpu --num_processes 2 examples/train.py --output_dir runs/ddp ...
+    # (same as: torchrun --nproc_per_node 2 examples/train.py ...; note that `accelerate launch --cpu` starts a
+    # single process whatever --num_processes says, in accelerate 1.15)
 
-    # FSDP on 2 CPU processes, DintDecoderLayer as the wrap unit
-    accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/train.py --output_dir runs/fsdp ...
+    # FSDP on 2 processes, DintDecoderLayer as the wrap unit, sharded checkpoints (CPU processes too)
+    accelerate launch --config_file examples/accelerate_fsdp.yaml examples/train.py --output_dir runs/fsdp ...
 
     # continue a run from its last checkpoint (or name one: --resume_from_checkpoint runs/tiny/checkpoint-100)
     python examples/train.py --output_dir runs/tiny --max_steps 400 --resume_from_checkpoint last
