@@ -146,7 +146,7 @@ def test_lambda_vectors_follow_the_device_context():
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="cache_implementation='offloaded' is CUDA-only in transformers 5.23: Cache.update calls "
-    "torch.cuda.default_stream (cache_utils.py, `if self.offloading:` in Cache.update)",
+    "torch.cuda.default_stream (transformers/cache_utils.py:1564, in Cache.update)",
 )
 @pytest.mark.parametrize("attn_implementation, integral", [("sdpa", "mean"), ("eager", "mean"), ("sdpa", "softmax")])
 def test_offloaded_cache_keeps_the_integral_exact(attn_implementation, integral):
@@ -162,7 +162,8 @@ def test_offloaded_cache_keeps_the_integral_exact(attn_implementation, integral)
         return_dict_in_generate=True,
     )
     cache = output.past_key_values
-    assert cache.offloading and cache.layers[0].keys.device.type == "cpu"  # the KV really went to the host
+    # The KV went to the host: after the last step, the last layer is offloaded (layer 0 was prefetched back).
+    assert cache.offloading and cache.layers[-1].keys.device.type == "cpu"
     assert cache.layers[0].query_count.device.type == "cuda"  # the integral state stays on the compute device
     assert torch.equal(output.sequences, expected)
     torch.testing.assert_close(torch.stack(output.logits, dim=1), expected_logits, atol=1e-4, rtol=1e-4)
@@ -253,14 +254,15 @@ def test_int8_weight_only_heldout_perplexity_within_a_few_percent(tmp_path, toke
     with open(os.path.join(DATA_DIR, "shakespeare_train.txt"), encoding="utf-8") as file:
         train_ids = torch.tensor(tokenizer(file.read()[:400_000]).input_ids)
     with open(os.path.join(DATA_DIR, "shakespeare_heldout.txt"), encoding="utf-8") as file:
-        heldout_ids = torch.tensor(tokenizer(file.read()[:40_000]).input_ids)
+        heldout_ids = torch.tensor(tokenizer(file.read()[:20_000]).input_ids)
     model = tiny_model(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2, pad_token_id=0
     ).train()
+    start = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(150):
-        starts = torch.randint(0, len(train_ids) - 129, (16,), generator=generator)
+    for _ in range(100):
+        starts = torch.randint(0, len(train_ids) - 129, (8,), generator=generator)
         batch = torch.stack([train_ids[start : start + 128] for start in starts])
         loss = model(batch, labels=batch).loss
         loss.backward()
@@ -268,9 +270,12 @@ def test_int8_weight_only_heldout_perplexity_within_a_few_percent(tmp_path, toke
         optimizer.zero_grad()
     model.eval()
     model.save_pretrained(tmp_path)
+    print(f"training took {time.perf_counter() - start:.1f} s")
 
     fp32_perplexity = heldout_perplexity(model, heldout_ids)
+    start = time.perf_counter()
     int8_perplexity = heldout_perplexity(load_int8_weight_only(tmp_path), heldout_ids)
+    print(f"int8 evaluation took {time.perf_counter() - start:.1f} s")
     print(f"held-out perplexity: fp32 {fp32_perplexity:.3f}, int8 weight-only {int8_perplexity:.3f}")
     assert fp32_perplexity < 0.25 * len(tokenizer)  # it learned something (uniform would be the vocabulary size)
     assert abs(int8_perplexity / fp32_perplexity - 1) < 0.03
