@@ -32,6 +32,10 @@ setup(
             "tokenizers>=0.21",
             "matplotlib>=3.8",
         ],
+        # lm-evaluation-harness recipe (examples/eval_lm_harness.md) and its slow test
+        "eval": ["lm-eval==0.4.13"],
+        # reading GGUF checkpoints (examples/convert_smollm2.py)
+        "gguf": ["gguf==0.19.0"],
     },
     entry_points={"console_scripts": ["dint-convert=modeling_dint.conversion.__main__:main"]},
 )
