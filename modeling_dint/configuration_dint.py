@@ -76,6 +76,18 @@ class DintConfig(PreTrainedConfig):
 
     model_type = "dint"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Tensor parallel: "packed_colwise" gives rank r block r of the signal maps AND of the noise maps (and of both
+    # halves of the KV heads), so every differential head lives on one rank; Llama's "colwise" would not. The number
+    # of ranks must divide num_key_value_heads / 2; attention_bias=False (a 1-D bias is sharded contiguously).
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "packed_colwise",
+        "layers.*.self_attn.k_proj": "packed_colwise",
+        "layers.*.self_attn.v_proj": "packed_colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),

@@ -286,10 +286,10 @@ class DintAttention(nn.Module):
             config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.lambda_q1 = nn.Parameter(torch.normal(0, config.lambda_std_dev, size=(self.head_dim,)))
-        self.lambda_k1 = nn.Parameter(torch.normal(0, config.lambda_std_dev, size=(self.head_dim,)))
-        self.lambda_q2 = nn.Parameter(torch.normal(0, config.lambda_std_dev, size=(self.head_dim,)))
-        self.lambda_k2 = nn.Parameter(torch.normal(0, config.lambda_std_dev, size=(self.head_dim,)))
+        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
+        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
+        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
+        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
         if config.head_norm:
             self.head_norm = DintRMSNorm(
                 2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
@@ -517,6 +517,8 @@ class DintPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _keep_in_fp32_modules = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    # `_keep_in_fp32_modules` acts on fp16 loads only; the strict list also keeps them fp32 in bf16 loads.
+    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
         "attentions": DintAttention,

@@ -132,11 +132,6 @@ def test_13b_preset_builds_on_meta_in_seconds_and_without_memory():
     assert all(name.count(".") <= 2 for name in device_map if name.startswith("model.layers")), device_map
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DintAttention builds lambda_q1..k2 with torch.normal(mean, std, size=...), which ignores the "
-    "`with torch.device(...)` context: they land on the CPU (fix: pass device=torch.get_default_device())",
-)
 def test_lambda_vectors_follow_the_device_context():
     with torch.device("meta"):
         model = DintForCausalLM(tiny_model().config)
@@ -213,21 +208,7 @@ def test_torchao_int8_weight_only_quantizes_linears_and_keeps_lambdas_and_norms_
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float16,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="`_keep_in_fp32_modules` applies to fp16 loads only (modeling_utils.py: `if "
-                "self._keep_in_fp32_modules is not None and dtype == torch.float16`); bf16 needs "
-                "`_keep_in_fp32_modules_strict` on DintPreTrainedModel",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_load_keeps_lambda_vectors_in_fp32(tmp_path, dtype):
     model = tiny_model()
     model.save_pretrained(tmp_path)

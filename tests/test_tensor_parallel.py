@@ -55,9 +55,6 @@ def test_llama_plan_splits_signal_and_noise_maps_across_shards():
     assert all(len(owners) == 2 for owners in ranks.values()), ranks
 
 
-@pytest.mark.xfail(
-    strict=True, reason="DintConfig has no `base_model_tp_plan` yet: the patch is in the issue 10 report"
-)
 def test_dint_config_ships_the_tested_plan():
     assert DintConfig.base_model_tp_plan == DINT_TP_PLAN
 
