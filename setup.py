@@ -31,6 +31,7 @@ setup(
             "peft>=0.17",
             "tokenizers>=0.21",
             "matplotlib>=3.8",
+            "torchao==0.18.0",  # int8 weight-only quantization on CPU (TorchAoConfig); no runtime dependencies
         ],
         # lm-evaluation-harness recipe (examples/eval_lm_harness.md) and its slow test
         "eval": ["lm-eval==0.4.13"],
