@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 from dint_testing import tiny_model
-from modeling_dint import DintConfig
 from tp_plan import DINT_TP_PLAN, LLAMA_TP_PLAN, differential_head_layout, shard_rows
 
 
@@ -53,10 +52,6 @@ def test_dint_plan_keeps_each_differential_head_on_one_shard():
 def test_llama_plan_splits_signal_and_noise_maps_across_shards():
     ranks = rank_of_each_differential_head(LLAMA_TP_PLAN, world_size=2)
     assert all(len(owners) == 2 for owners in ranks.values()), ranks
-
-
-def test_dint_config_ships_the_tested_plan():
-    assert DintConfig.base_model_tp_plan == DINT_TP_PLAN
 
 
 def test_plan_names_existing_linear_modules():

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan proposed for DINT (DintConfig.base_model_tp_plan), and the reference layout it must give.
+"""The tensor-parallel plan of DINT (DintConfig.base_model_tp_plan), and the reference layout it must give.
 
 q_proj's output holds H softmax maps, the H/2 signal maps then the H/2 noise maps; k_proj and v_proj hold the KV
 heads, whose first half pairs with the signal maps (and holds V's first half) and second half with the noise maps
@@ -11,15 +11,10 @@ differential heads in order, 2*head_dim channels each: "rowwise" gives rank r ex
 Requires N to divide num_key_value_heads/2, and attention_bias=False (packed_colwise shards a 1-D bias contiguously).
 """
 
-DINT_TP_PLAN = {
-    "layers.*.self_attn.q_proj": "packed_colwise",
-    "layers.*.self_attn.k_proj": "packed_colwise",
-    "layers.*.self_attn.v_proj": "packed_colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
+from modeling_dint import DintConfig
+
+
+DINT_TP_PLAN = DintConfig.base_model_tp_plan  # the plan the package ships (one source of truth)
 
 LLAMA_TP_PLAN = {**DINT_TP_PLAN, **{f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}}
 
