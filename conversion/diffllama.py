@@ -16,7 +16,7 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import ConversionPlan
+from .plan import ConversionPlan, shared_decoder_fields
 
 
 def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = "mean") -> DintConfig:
@@ -24,25 +24,11 @@ def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = 
     if source_config.model_type != "diffllama":
         raise ValueError(f"Expected a DiffLlama config (model_type 'diffllama'), got {source_config.model_type!r}.")
     return DintConfig(
-        vocab_size=source_config.vocab_size,
-        hidden_size=source_config.hidden_size,
-        intermediate_size=source_config.intermediate_size,
-        num_hidden_layers=source_config.num_hidden_layers,
+        **shared_decoder_fields(source_config),
         num_attention_heads=source_config.num_attention_heads,
         num_key_value_heads=source_config.num_key_value_heads,
         head_dim=source_config.head_dim,
-        hidden_act=source_config.hidden_act,
-        max_position_embeddings=source_config.max_position_embeddings,
-        initializer_range=source_config.initializer_range,
-        rms_norm_eps=source_config.rms_norm_eps,
-        use_cache=source_config.use_cache,
-        pad_token_id=source_config.pad_token_id,
-        bos_token_id=source_config.bos_token_id,
-        eos_token_id=source_config.eos_token_id,
-        tie_word_embeddings=source_config.tie_word_embeddings,
-        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
         attention_bias=source_config.attention_bias,
-        attention_dropout=0.0,
         mlp_bias=False,
         integral=integral,
         lambda_init=None,
@@ -99,25 +85,11 @@ def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
     if source_config.mlp_bias:
         raise ValueError("Cannot convert a DINT model with mlp_bias=True to DiffLlama: DiffLlama's MLP has no bias.")
     return DiffLlamaConfig(
-        vocab_size=source_config.vocab_size,
-        hidden_size=source_config.hidden_size,
-        intermediate_size=source_config.intermediate_size,
-        num_hidden_layers=source_config.num_hidden_layers,
+        **shared_decoder_fields(source_config),
         num_attention_heads=source_config.num_attention_heads,
         num_key_value_heads=source_config.num_key_value_heads,
         head_dim=source_config.head_dim,
-        hidden_act=source_config.hidden_act,
-        max_position_embeddings=source_config.max_position_embeddings,
-        initializer_range=source_config.initializer_range,
-        rms_norm_eps=source_config.rms_norm_eps,
-        use_cache=source_config.use_cache,
-        pad_token_id=source_config.pad_token_id,
-        bos_token_id=source_config.bos_token_id,
-        eos_token_id=source_config.eos_token_id,
-        tie_word_embeddings=source_config.tie_word_embeddings,
-        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
         attention_bias=source_config.attention_bias,
-        attention_dropout=0.0,
         lambda_std_dev=source_config.lambda_std_dev,
         architectures=["DiffLlamaForCausalLM"],
     )

@@ -25,7 +25,7 @@ from transformers import PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import ConversionPlan
+from .plan import ConversionPlan, shared_decoder_fields
 
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -73,25 +73,11 @@ def dint_config_from_llama(
     # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
     attention_bias = True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False))
     return DintConfig(
-        vocab_size=source_config.vocab_size,
-        hidden_size=source_config.hidden_size,
-        intermediate_size=source_config.intermediate_size,
-        num_hidden_layers=source_config.num_hidden_layers,
+        **shared_decoder_fields(source_config),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        hidden_act=source_config.hidden_act,
-        max_position_embeddings=source_config.max_position_embeddings,
-        initializer_range=source_config.initializer_range,
-        rms_norm_eps=source_config.rms_norm_eps,
-        use_cache=source_config.use_cache,
-        pad_token_id=source_config.pad_token_id,
-        bos_token_id=source_config.bos_token_id,
-        eos_token_id=source_config.eos_token_id,
-        tie_word_embeddings=source_config.tie_word_embeddings,
-        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
         attention_bias=attention_bias,
-        attention_dropout=0.0,
         mlp_bias=bool(getattr(source_config, "mlp_bias", False)),
         integral=integral,
         lambda_init=None,

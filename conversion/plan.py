@@ -37,3 +37,25 @@ class ConversionPlan:
             state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
         model.load_state_dict(state_dict, strict=True)
         return model.to(dtype).eval()
+
+
+def shared_decoder_fields(source_config: PreTrainedConfig) -> dict:
+    """The Llama-family fields that DINT, DiffLlama and Llama configs share unchanged (sizes, norms, RoPE, tokens).
+    Head counts, head_dim, biases and the architecture-specific fields are each converter's own."""
+    return dict(
+        vocab_size=source_config.vocab_size,
+        hidden_size=source_config.hidden_size,
+        intermediate_size=source_config.intermediate_size,
+        num_hidden_layers=source_config.num_hidden_layers,
+        hidden_act=source_config.hidden_act,
+        max_position_embeddings=source_config.max_position_embeddings,
+        initializer_range=source_config.initializer_range,
+        rms_norm_eps=source_config.rms_norm_eps,
+        use_cache=source_config.use_cache,
+        pad_token_id=source_config.pad_token_id,
+        bos_token_id=source_config.bos_token_id,
+        eos_token_id=source_config.eos_token_id,
+        tie_word_embeddings=source_config.tie_word_embeddings,
+        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
+        attention_dropout=0.0,
+    )
