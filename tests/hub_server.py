@@ -38,6 +38,9 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -648,3 +651,15 @@ if __name__ == "__main__":  # a manual run: python tests/hub_server.py, then poi
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
+
+
+def run_client(server, workdir, script, *args):
+    """Runs `script` in a fresh Python process pointed at `server` (its own HF_HOME under `workdir`); returns the
+    JSON the script printed on its last line."""
+    env = server.client_env(hf_home=workdir / "hf_home")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        env=env, cwd=workdir, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, f"client failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])

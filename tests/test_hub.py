@@ -8,15 +8,12 @@ code that travelled with the weights.
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import yaml
 
 from dint_testing import tiny_model
-from hub_server import HubServer
+from hub_server import HubServer, run_client
 from modeling_dint import DintConfig, dint_model_card, save_dint_for_hub
 
 
@@ -153,15 +150,6 @@ seen["modeling_dint_imported"] = any(name.split(".")[0] == "modeling_dint" for n
 print(json.dumps(seen))
 """
 
-
-def run_client(server, tmp_path, script, *args):
-    env = server.client_env(hf_home=tmp_path / "hf_home")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, f"client failed:\n{result.stdout}\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_push_to_hub_and_trust_remote_code_load_with_revision_pinning(tmp_path):

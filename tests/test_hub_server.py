@@ -7,9 +7,7 @@ points it at the server; the subprocess prints what it observed as JSON and the 
 import base64
 import json
 import os
-import subprocess
 import sys
-import textwrap
 import urllib.error
 import urllib.request
 
@@ -21,7 +19,7 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 if TESTS_DIR not in sys.path:  # hub_server.py lives beside this file
     sys.path.insert(0, TESTS_DIR)
 
-from hub_server import HubServer, git_blob_oid  # noqa: E402
+from hub_server import HubServer, git_blob_oid, run_client  # noqa: E402
 
 
 @pytest.fixture
@@ -29,16 +27,6 @@ def hub_server():
     with HubServer() as server:
         yield server
 
-
-def run_client(server, tmp_path, script, *args):
-    """Run `script` in a fresh Python process pointed at `server`; return the JSON it printed on its last line."""
-    env = server.client_env(hf_home=tmp_path / "hf_home")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, f"client failed:\n{result.stdout}\n{result.stderr}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def read_tree(folder):
