@@ -99,24 +99,28 @@ def segmented_running_sum(
     Returns:
         `torch.Tensor` of shape `[B, heads, T, C]`, fp32: row n holds the sum of the valid rows m <= n of n's document.
     """
-    # `where`, never a product: a padding row may hold anything, NaN included.
-    rows = torch.where(query_valid[:, None, :, None], rows.float(), 0.0)
     if rows.shape[-2] == 1:  # one decoding step: the same sum, in a handful of small ops
+        # `where`, never a product: a padding row may hold anything, NaN included.
+        rows = torch.where(query_valid[:, None, :, None], rows.float(), 0.0)
         if carry is None:
             return rows
         carried = nn.functional.pad(carry.float(), (0, rows.shape[-1] - carry.shape[-1]))[:, :, None, :]
         return rows + torch.where(document_start[:, None, :, None], 0.0, carried)
-    totals = rows.cumsum(dim=-2)
+    # The scan runs over the last, contiguous dimension: [B, heads, C, T]. (A cumsum over a non-last dimension walks
+    # T one step at a time on CUDA: 12 ms per layer at 32K tokens, against 0.5 ms for this layout.)
+    rows = rows.transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)
+    rows = torch.where(query_valid[:, None, None, :], rows, 0.0)
+    totals = rows.cumsum(dim=-1)
     # Row index where each row's document starts in this call, -1 when it started before (then the carry applies).
-    row_index = torch.arange(rows.shape[-2], device=rows.device)
+    row_index = torch.arange(rows.shape[-1], device=rows.device)
     start_index = torch.where(document_start, row_index, -1).cummax(dim=-1).values
-    sum_before_start = (totals - rows).gather(-2, start_index.clamp(min=0)[:, None, :, None].expand_as(rows))
-    in_carried_document = (start_index < 0)[:, None, :, None]
+    sum_before_start = (totals - rows).gather(-1, start_index.clamp(min=0)[:, None, None, :].expand_as(rows))
+    in_carried_document = (start_index < 0)[:, None, None, :]
     if carry is None:
         carried = torch.zeros((), device=rows.device)
     else:
-        carried = nn.functional.pad(carry.float(), (0, rows.shape[-1] - carry.shape[-1]))[:, :, None, :]
-    return totals - torch.where(in_carried_document, -carried, sum_before_start)
+        carried = nn.functional.pad(carry.float(), (0, rows.shape[-2] - carry.shape[-1]))[:, :, :, None]
+    return (totals - torch.where(in_carried_document, -carried, sum_before_start)).transpose(-1, -2)
 
 
 def compose_final_attention(
