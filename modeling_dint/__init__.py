@@ -54,4 +54,7 @@ __all__ = [
     "dint_attention_map",
     "segmented_running_sum",
     "preset_names",
+    "dint_model_card",
+    "push_dint_to_hub",
+    "save_dint_for_hub",
 ]

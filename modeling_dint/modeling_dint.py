@@ -123,6 +123,19 @@ def segmented_running_sum(
     return (totals - torch.where(in_carried_document, -carried, sum_before_start)).transpose(-1, -2)
 
 
+def running_query_rows(
+    query_valid: torch.Tensor, document_start: torch.Tensor, past_query_count: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`c_n`: the number of valid query rows m <= n in row n's document (the carry `[B]` from the cache included),
+    fp32 `[B, T]`. The running mean divides by it (clamped to 1: a document with no valid row yet has G = 0)."""
+    return segmented_running_sum(
+        query_valid[:, None, :, None],
+        query_valid,
+        document_start,
+        None if past_query_count is None else past_query_count[:, None, None],
+    )[:, 0, :, 0]
+
+
 def compose_final_attention(
     signal_weights: torch.Tensor,
     noise_weights: torch.Tensor,
@@ -156,12 +169,7 @@ def compose_final_attention(
     if integral == "none":
         return signal_weights - lambda_full * noise_weights, None, None
     running_column_sums = segmented_running_sum(signal_weights, query_valid, document_start, past_column_sums)
-    running_query_count = segmented_running_sum(
-        query_valid[:, None, :, None],
-        query_valid,
-        document_start,
-        None if past_query_count is None else past_query_count[:, None, None],
-    )[:, 0, :, 0]
+    running_query_count = running_query_rows(query_valid, document_start, past_query_count)
     integral_weights = running_column_sums / running_query_count.clamp(min=1.0)[:, None, :, None]
     if integral == "softmax":
         key_valid = key_valid.expand_as(integral_weights)
@@ -386,12 +394,7 @@ class DintAttention(nn.Module):
         running_signal_sum = segmented_running_sum(
             signal_output.transpose(1, 2), query_valid, document_start, past_signal_sum
         )  # [B, H/2, T, 2d]
-        running_query_count = segmented_running_sum(
-            query_valid[:, None, :, None],
-            query_valid,
-            document_start,
-            None if past_query_count is None else past_query_count[:, None, None],
-        )[:, 0, :, 0]  # [B, T]
+        running_query_count = running_query_rows(query_valid, document_start, past_query_count)  # [B, T]
         integral_output = running_signal_sum / running_query_count.clamp(min=1.0)[:, None, :, None]
         attn_output = signal_output - lambda_full * noise_output + lambda_full * integral_output.transpose(1, 2)
         if cache_layer is not None:
