@@ -59,10 +59,17 @@ class DintIntegralStateMixin:
             if self._recorded_start is None:
                 self._recorded_start = self._snapshot()
             self._recorded_rows.append((running_query_count, running_signal_sum, running_column_sums))
+
+        def last_row(running: torch.Tensor | None, query_dim: int) -> torch.Tensor | None:
+            if running is None:
+                return None
+            # A copy after a call of several rows: a view would keep the whole running tensor (O(T) per layer, and
+            # O(T * K) for the column sums) alive in the cache.
+            row = running.select(query_dim, -1)
+            return row.clone() if running.shape[query_dim] > 1 else row
+
         self._set_state(
-            running_query_count[:, -1],
-            None if running_signal_sum is None else running_signal_sum[:, :, -1],
-            None if running_column_sums is None else running_column_sums[:, :, -1],
+            last_row(running_query_count, -1), last_row(running_signal_sum, -2), last_row(running_column_sums, -2)
         )
 
     def _set_state(self, query_count, signal_sum, column_sums) -> None:

@@ -161,6 +161,21 @@ def integral_state_bytes(cache) -> int:
     return total
 
 
+@pytest.mark.parametrize("attn_implementation", BACKENDS)
+@pytest.mark.parametrize("integral", INTEGRALS)
+def test_prefill_leaves_only_the_last_row_in_the_cache(attn_implementation, integral):
+    """After a prompt, each cache layer holds a copy of the running sums' last row: a view would keep the whole
+    running tensor of the prompt alive (O(T) per layer, O(T^2) for the column sums)."""
+    model = tiny_model(attn_implementation, integral=integral)
+    with torch.no_grad():
+        cache = model(torch.randint(2, 128, (2, 64)), use_cache=True).past_key_values
+    for layer in cache.layers:
+        states = [state for state in layer.integral_state() if state is not None]
+        assert states
+        for state in states:
+            assert state.untyped_storage().nbytes() == state.numel() * state.element_size()
+
+
 def test_mean_state_does_not_grow_with_the_sequence():
     model = tiny_model("sdpa", integral="mean")
     sizes = []
