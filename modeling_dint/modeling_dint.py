@@ -19,6 +19,7 @@ transformers and its sibling files.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,11 +54,11 @@ logger = logging.get_logger(__name__)
 
 
 class DintRMSNorm(nn.Module):
-    """RMSNorm computed in fp32, as Llama's; `elementwise_affine=False` drops the weight (the head-norm ablation)."""
+    """RMSNorm computed in fp32, as Llama's (the decoder layers' norms and the final norm)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, elementwise_affine: bool = True) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
+        self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -65,12 +66,20 @@ class DintRMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight is None:
-            return hidden_states.to(input_dtype)
         return self.weight * hidden_states.to(input_dtype)
 
     def extra_repr(self):
-        return f"{self.weight.shape[0] if self.weight is not None else 'no weight'}, eps={self.variance_epsilon}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class DintHeadRMSNorm(nn.RMSNorm):
+    """The RMSNorm of each differential head (over its 2*head_dim channels): torch's `rms_norm`, one fused kernel on
+    GPUs as DiffLlama's group norm, computed in the dtype of its input (the attention combination, fp32) whatever the
+    weight's dtype; `elementwise_affine=False` drops the weight (the head-norm ablation)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(hidden_states.dtype)
+        return nn.functional.rms_norm(hidden_states, self.normalized_shape, weight, self.eps)
 
 
 class DintRotaryEmbedding(LlamaRotaryEmbedding):
@@ -81,59 +90,126 @@ class DintMLP(LlamaMLP):
     pass
 
 
+@dataclass
+class DintIntegralLayout:
+    """Where the integral's running mean counts and restarts over the T query rows of one forward pass.
+
+    It depends on the inputs only, so `DintModel.forward` builds it once (`DintIntegralLayout.build`) for all layers.
+    A field that is None stands for a case known without reading tensor values, and the work it would cost is skipped.
+
+    Attributes:
+        query_valid (`torch.Tensor` of shape `[B, T]`, bool, or None when every row counts): the rows that are not
+            padding.
+        restart_row (`torch.Tensor` of shape `[B, T]`, long, or None when no document starts after row 0): the row of
+            this call where row n's document starts (0 for the rows of a document that started before this call).
+        in_carried_document (`torch.Tensor` of shape `[B, T]`, bool, or None with `restart_row`): the rows whose
+            document started before this call, into which the cache's sums carry.
+        carry_kept (`bool`, or a bool `torch.Tensor` of shape `[B]` or `[]`): for a call with no `restart_row`,
+            whether row 0 continues the cache's document, so that the cache's sums carry into the call (False where
+            row 0 starts a document: a position id 0).
+        running_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `c_n`, the valid rows m <= n of row n's
+            document, the cache's count included.
+        inverse_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `1 / max(c_n, 1)` (a document with no valid row
+            yet has G = 0).
+    """
+
+    query_valid: torch.Tensor | None = None
+    restart_row: torch.Tensor | None = None
+    in_carried_document: torch.Tensor | None = None
+    carry_kept: torch.Tensor | bool = True
+    running_query_count: torch.Tensor | None = None
+    inverse_query_count: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        query_valid: torch.Tensor | None,
+        document_start: torch.Tensor | None,
+        past_query_count: torch.Tensor | None,
+        batch_size: int,
+        query_length: int,
+        device: torch.device,
+        continues_cache: torch.Tensor | bool = True,
+    ) -> "DintIntegralLayout":
+        """
+        Args:
+            query_valid, document_start: from `dint_query_layout`.
+            past_query_count (`torch.Tensor` of shape `[B]`, *optional*): the cache's count of valid rows of the
+                current document of each batch row.
+            continues_cache (`bool` or bool `torch.Tensor`): without `document_start`, whether row 0 continues the
+                cache's document (without a caller's position ids: whether the cache holds tokens).
+        """
+        layout = cls(query_valid=query_valid, carry_kept=continues_cache)
+        if document_start is not None and query_length == 1:
+            layout.carry_kept = ~document_start[:, 0]
+        elif document_start is not None:
+            row_index = torch.arange(query_length, device=document_start.device)
+            start_index = torch.where(document_start, row_index, -1).cummax(dim=-1).values
+            layout.restart_row, layout.in_carried_document = start_index.clamp(min=0), start_index < 0
+        rows = torch.ones(batch_size, query_length, device=device)
+        layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
+        layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()
+        return layout
+
+
+def _cumsum_over_rows(rows: torch.Tensor, query_dim: int, scan_rows_last: bool | None = None) -> torch.Tensor:
+    """fp32 inclusive cumulative sum of `rows` over dimension `query_dim`.
+
+    CPUs scan the dimension in place (the fastest there, forward and backward). CUDA scans a dimension that is not the
+    last one a step at a time per column (12 ms against 0.55 ms per layer at 32K tokens on an H100, bench/README.md),
+    so elsewhere (`scan_rows_last`, default: not on CPU) the scan runs over an fp32 copy with the rows last.
+    """
+    if rows.shape[query_dim] == 1:
+        return rows.to(torch.float32)
+    if scan_rows_last is None:
+        scan_rows_last = rows.device.type != "cpu"
+    if not scan_rows_last:
+        # Cast, then scan: `cumsum(dtype=torch.float32)` would run its backward scan in the input's dtype (bf16).
+        return rows.to(torch.float32).cumsum(query_dim)
+    rows_last = rows.movedim(query_dim, -1).to(torch.float32, memory_format=torch.contiguous_format)
+    return rows_last.cumsum(-1).movedim(-1, query_dim)
+
+
 def segmented_running_sum(
     rows: torch.Tensor,
-    query_valid: torch.Tensor,
-    document_start: torch.Tensor,
+    layout: DintIntegralLayout,
     carry: torch.Tensor | None = None,
+    query_dim: int = 1,
 ) -> torch.Tensor:
-    """Inclusive running sum over query rows, in fp32, counting valid rows only and restarting at each document start.
+    """Inclusive running sum over the query rows of `rows`, in fp32, counting valid rows only and restarting at each
+    document start.
 
     Args:
-        rows (`torch.Tensor` of shape `[B, heads, T, C]`): one value vector per query row.
-        query_valid (`torch.Tensor` of shape `[B, T]`, bool): rows that count (not padding).
-        document_start (`torch.Tensor` of shape `[B, T]`, bool): rows that start a new document (the sum restarts there).
-        carry (`torch.Tensor` of shape `[B, heads, C']`, *optional*): the sum over the rows before this call in the
-            current document (from the cache); `C' <= C`, missing trailing channels count as 0 (keys not yet cached).
+        rows (`torch.Tensor`): one value per query row along `query_dim`: the fast path's signal outputs
+            `[B, T, H/2, 2d]` (query_dim 1), the signal maps `[B, H/2, T, K]` (query_dim 2), or `[B, T]`.
+        layout (`DintIntegralLayout`): which rows count and where documents start.
+        carry (`torch.Tensor`, *optional*): `rows`' shape without the query dimension: the sum over the rows of the
+            current document before this call (from the cache).
 
     Returns:
-        `torch.Tensor` of shape `[B, heads, T, C]`, fp32: row n holds the sum of the valid rows m <= n of n's document.
+        `torch.Tensor` of `rows`' shape, fp32: row n holds the sum of the valid rows m <= n of n's document.
     """
-    if rows.shape[-2] == 1:  # one decoding step: the same sum, in a handful of small ops
+
+    def along_rows(per_row: torch.Tensor) -> torch.Tensor:  # [B, T] -> broadcastable against `rows`
+        return per_row.view(per_row.shape[0], *[1] * (query_dim - 1), per_row.shape[1], *[1] * (rows.dim() - query_dim - 1))
+
+    if layout.query_valid is not None:
         # `where`, never a product: a padding row may hold anything, NaN included.
-        rows = torch.where(query_valid[:, None, :, None], rows.float(), 0.0)
-        if carry is None:
-            return rows
-        carried = nn.functional.pad(carry.float(), (0, rows.shape[-1] - carry.shape[-1]))[:, :, None, :]
-        return rows + torch.where(document_start[:, None, :, None], 0.0, carried)
-    # The scan runs over the last, contiguous dimension: [B, heads, C, T]. (A cumsum over a non-last dimension walks
-    # T one step at a time on CUDA: 12 ms per layer at 32K tokens, against 0.5 ms for this layout.)
-    rows = rows.transpose(-1, -2).to(torch.float32, memory_format=torch.contiguous_format)
-    rows = torch.where(query_valid[:, None, None, :], rows, 0.0)
-    totals = rows.cumsum(dim=-1)
-    # Row index where each row's document starts in this call, -1 when it started before (then the carry applies).
-    row_index = torch.arange(rows.shape[-1], device=rows.device)
-    start_index = torch.where(document_start, row_index, -1).cummax(dim=-1).values
-    sum_before_start = (totals - rows).gather(-1, start_index.clamp(min=0)[:, None, None, :].expand_as(rows))
-    in_carried_document = (start_index < 0)[:, None, None, :]
-    if carry is None:
-        carried = torch.zeros((), device=rows.device)
-    else:
-        carried = nn.functional.pad(carry.float(), (0, rows.shape[-2] - carry.shape[-1]))[:, :, :, None]
-    return (totals - torch.where(in_carried_document, -carried, sum_before_start)).transpose(-1, -2)
-
-
-def running_query_rows(
-    query_valid: torch.Tensor, document_start: torch.Tensor, past_query_count: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`c_n`: the number of valid query rows m <= n in row n's document (the carry `[B]` from the cache included),
-    fp32 `[B, T]`. The running mean divides by it (clamped to 1: a document with no valid row yet has G = 0)."""
-    return segmented_running_sum(
-        query_valid[:, None, :, None],
-        query_valid,
-        document_start,
-        None if past_query_count is None else past_query_count[:, None, None],
-    )[:, 0, :, 0]
+        rows = torch.where(along_rows(layout.query_valid), rows, 0.0)
+    totals = _cumsum_over_rows(rows, query_dim)
+    if carry is not None:
+        carry = carry.float().unsqueeze(query_dim)
+    if layout.restart_row is None:  # no document starts after row 0
+        if carry is None or layout.carry_kept is False:
+            return totals
+        if layout.carry_kept is not True:
+            carry = torch.where(layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)), carry, 0.0)
+        return totals + carry
+    # A row of a document that started in this call subtracts the sum before that document's first row; a row of the
+    # document that started before adds the carry.
+    sum_before_restart = (totals - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
+    carried = 0.0 if carry is None else -carry
+    return totals - torch.where(along_rows(layout.in_carried_document), carried, sum_before_restart)
 
 
 def compose_final_attention(
@@ -141,42 +217,40 @@ def compose_final_attention(
     noise_weights: torch.Tensor,
     lambda_full: torch.Tensor,
     integral: str,
-    query_valid: torch.Tensor,
-    document_start: torch.Tensor,
+    layout: DintIntegralLayout | None,
     key_valid: torch.Tensor,
-    past_query_count: torch.Tensor | None = None,
     past_column_sums: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The DINT map `A_final = A1 - lambda * A2 + lambda * G` (`G` itself, or its softmax for integral "softmax").
 
     Args:
         signal_weights, noise_weights (`torch.Tensor` of shape `[B, H/2, T, K]`): the maps A1 and A2.
         lambda_full (`torch.Tensor`, scalar): the layer's lambda.
         integral (`str`): "mean", "softmax" or "none".
-        query_valid, document_start (`torch.Tensor` of shape `[B, T]`, bool): see `segmented_running_sum`.
+        layout (`DintIntegralLayout`): which query rows count and where documents start (unused for "none").
         key_valid (`torch.Tensor` broadcastable to `[B, 1, T, K]`, bool): the keys each row may attend to (the
             support of the "softmax" integral's softmax).
-        past_query_count (`torch.Tensor` of shape `[B]`, *optional*): valid rows of the current document before
-            this call (from the cache).
-        past_column_sums (`torch.Tensor` of shape `[B, H/2, K']`, *optional*): their summed signal maps.
+        past_column_sums (`torch.Tensor` of shape `[B, H/2, K']`, *optional*): the summed signal maps of the current
+            document's rows before this call (from the cache); `K' <= K`, keys cached since count as 0.
 
     Returns:
-        final_weights (`[B, H/2, T, K]`, fp32), running_column_sums (`[B, H/2, T, K]`, fp32, None for "none") and
-        running_query_count (`[B, T]`, fp32, None for "none"), the last two being what the cache keeps.
+        final_weights (`[B, H/2, T, K]`, fp32) and running_column_sums (`[B, H/2, T, K]`, fp32, None for "none"),
+        what the cache keeps.
     """
     lambda_full = lambda_full.float()
     signal_weights, noise_weights = signal_weights.float(), noise_weights.float()
     if integral == "none":
-        return signal_weights - lambda_full * noise_weights, None, None
-    running_column_sums = segmented_running_sum(signal_weights, query_valid, document_start, past_column_sums)
-    running_query_count = running_query_rows(query_valid, document_start, past_query_count)
-    integral_weights = running_column_sums / running_query_count.clamp(min=1.0)[:, None, :, None]
+        return signal_weights - lambda_full * noise_weights, None
+    if past_column_sums is not None:
+        past_column_sums = nn.functional.pad(past_column_sums, (0, signal_weights.shape[-1] - past_column_sums.shape[-1]))
+    running_column_sums = segmented_running_sum(signal_weights, layout, past_column_sums, query_dim=2)
+    integral_weights = running_column_sums * layout.inverse_query_count[:, None, :, None]
     if integral == "softmax":
         key_valid = key_valid.expand_as(integral_weights)
         integral_weights = integral_weights.masked_fill(~key_valid, torch.finfo(torch.float32).min).softmax(dim=-1)
         integral_weights = torch.where(key_valid.any(dim=-1, keepdim=True), integral_weights, 0.0)
     final_weights = signal_weights - lambda_full * noise_weights + lambda_full * integral_weights
-    return final_weights, running_column_sums, running_query_count
+    return final_weights, running_column_sums
 
 
 def dint_attention_map(
@@ -213,14 +287,16 @@ def dint_attention_map(
             f"{query_length} queries and {key_length} keys. With a cache, gather the rows of all steps first."
         )
     query_valid, document_start = dint_query_layout(attention_mask, position_ids, batch_size, query_length)
+    layout = DintIntegralLayout.build(query_valid, document_start, None, batch_size, query_length, attentions.device)
     key_valid = torch.ones(query_length, key_length, dtype=torch.bool, device=attentions.device).tril()[None, None]
     if attention_mask is not None:
         key_valid = key_valid & attention_mask.bool()[:, None, None, :]
-    segment = document_start.long().cumsum(-1)
-    key_valid = key_valid & (segment[:, None, :, None] == segment[:, None, None, :])
+    if document_start is not None:
+        segment = document_start.long().cumsum(-1)
+        key_valid = key_valid & (segment[:, None, :, None] == segment[:, None, None, :])
     signal_weights, noise_weights = attentions.chunk(2, dim=1)
-    final_weights, _, _ = compose_final_attention(
-        signal_weights, noise_weights, torch.as_tensor(lambda_full), integral, query_valid, document_start, key_valid
+    final_weights, _ = compose_final_attention(
+        signal_weights, noise_weights, torch.as_tensor(lambda_full), integral, layout, key_valid
     )
     return final_weights
 
@@ -231,8 +307,8 @@ def dint_query_layout(
     batch_size: int,
     query_length: int,
     cu_seq_lens_q: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which query rows count in the integral, and where documents start. Derived once per forward.
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which query rows count in the integral, and where documents start, from a forward's inputs.
 
     Args:
         attention_mask: None, a 2D padding mask `[B, past + T]`, or a 4D mask `[B, 1, T, K]` (bool, or float with
@@ -241,29 +317,31 @@ def dint_query_layout(
         cu_seq_lens_q (`[documents + 1]`, *optional*): flash-attention packing offsets (batch size 1).
 
     Returns:
-        query_valid, document_start: `torch.Tensor`s of shape `[B, T]`, bool.
+        query_valid (`[B, T]` bool, or None without `attention_mask`: every row counts) and document_start (`[B, T]`
+        bool, or None without `position_ids` and `cu_seq_lens_q`: no row starts a document, each continues the
+        cache's document or, without a cache, starts the sequence).
     """
-    device = position_ids.device if position_ids is not None else None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         query_valid = attention_mask[:, -query_length:].bool()
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         query_valid = allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)
     elif attention_mask is None:
-        query_valid = torch.ones(batch_size, query_length, dtype=torch.bool, device=device)
+        query_valid = None
     else:
         raise TypeError(
             f"DINT derives the valid query rows from a 2D or 4D tensor `attention_mask`, got {type(attention_mask)}."
         )
-    if position_ids is None:
-        document_start = torch.zeros(batch_size, query_length, dtype=torch.bool, device=query_valid.device)
-        document_start[:, 0] = True
-    else:
+    document_start = None
+    if position_ids is not None:
         document_start = (position_ids == 0).expand(batch_size, query_length)
     if cu_seq_lens_q is not None:
-        document_start = document_start.clone()
+        if document_start is None:
+            document_start = torch.zeros(batch_size, query_length, dtype=torch.bool, device=cu_seq_lens_q.device)
+        else:
+            document_start = document_start.clone()
         document_start[:, cu_seq_lens_q[:-1].long()] = True
-    return query_valid.to(document_start.device), document_start
+    return query_valid, document_start
 
 
 class _DenseMaskConfig:
@@ -303,7 +381,7 @@ class DintAttention(nn.Module):
         self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
         self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
         if config.head_norm:
-            self.head_norm = DintRMSNorm(
+            self.head_norm = DintHeadRMSNorm(
                 2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
             )
         else:
@@ -320,8 +398,7 @@ class DintAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        query_valid: torch.Tensor,
-        document_start: torch.Tensor,
+        integral_layout: DintIntegralLayout | None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -329,7 +406,7 @@ class DintAttention(nn.Module):
         Args:
             hidden_states (`[B, T, hidden_size]`), position_embeddings (cos, sin `[B, T, head_dim]`).
             attention_mask: the backend's mask (fast path), or the boolean `[B, 1, T, K]` mask (materializing path).
-            query_valid, document_start (`[B, T]`, bool): from `dint_query_layout`.
+            integral_layout (`DintIntegralLayout`): the forward's query rows and documents (None for integral "none").
 
         Returns:
             attn_output `[B, T, hidden_size]`, and on the materializing path the maps `[B, H, T, K]` (the H/2 signal
@@ -352,25 +429,25 @@ class DintAttention(nn.Module):
 
         if self.config._attn_implementation == "eager" or self.integral == "softmax":
             attn_output, attn_weights = self._materialized_attention(
-                query_states, key_states, value_states, attention_mask, query_valid, document_start, cache_layer
+                query_states, key_states, value_states, attention_mask, integral_layout, cache_layer
             )
         else:
             attn_output = self._fast_attention(
-                query_states, key_states, value_states, attention_mask, query_valid, document_start, cache_layer,
-                **kwargs,
+                query_states, key_states, value_states, attention_mask, integral_layout, cache_layer, **kwargs
             )
             attn_weights = None
 
-        attn_output = self.head_norm(attn_output)
+        # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype again.
+        attn_output = self.head_norm(attn_output).to(value_states.dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
     def _fast_attention(
-        self, query_states, key_states, value_states, attention_mask, query_valid, document_start, cache_layer,
-        **kwargs,
+        self, query_states, key_states, value_states, attention_mask, integral_layout, cache_layer, **kwargs
     ) -> torch.Tensor:
-        """O1 and O2 from the configured attention backend, plus `lambda * running_mean(O1)`: `[B, T, H/2, 2d]`."""
+        """O1 and O2 from the configured attention backend, then `O1 - lambda * O2 + lambda * running_mean(O1)`:
+        `[B, T, H/2, 2d]`, fp32 (the model's dtype for integral "none")."""
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, _unsupported_eager_interface
         )
@@ -384,28 +461,26 @@ class DintAttention(nn.Module):
         )
         # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
         signal_output, noise_output = torch.chunk(torch.cat([attn_output1, attn_output2], dim=-1), 2, dim=2)
-
         lambda_full = self.lambda_full()
         if self.integral == "none":
-            return (signal_output - lambda_full * noise_output).to(signal_output.dtype)
+            return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document ---
-        past_query_count, past_signal_sum = _integral_carry(cache_layer, "signal_sum")
         running_signal_sum = segmented_running_sum(
-            signal_output.transpose(1, 2), query_valid, document_start, past_signal_sum
-        )  # [B, H/2, T, 2d]
-        running_query_count = running_query_rows(query_valid, document_start, past_query_count)  # [B, T]
-        integral_output = running_signal_sum / running_query_count.clamp(min=1.0)[:, None, :, None]
-        attn_output = signal_output - lambda_full * noise_output + lambda_full * integral_output.transpose(1, 2)
+            signal_output, integral_layout, _integral_carry(cache_layer, "signal_sum")
+        )  # [B, T, H/2, 2d], fp32
         if cache_layer is not None:
-            cache_layer.update_integral(running_query_count, running_signal_sum, None)
-        return attn_output.to(signal_output.dtype)
+            cache_layer.update_integral(integral_layout.running_query_count, running_signal_sum.transpose(1, 2), None)
+        # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
+        inverse_query_count = integral_layout.inverse_query_count[:, :, None, None]
+        noise_minus_integral = torch.addcmul(noise_output, running_signal_sum, inverse_query_count, value=-1)
+        return torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
 
     def _materialized_attention(
-        self, query_states, key_states, value_states, key_mask, query_valid, document_start, cache_layer
+        self, query_states, key_states, value_states, key_mask, integral_layout, cache_layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The paper's formulas with explicit maps A1, A2, G and A_final (the reference). Returns the output
-        `[B, T, H/2, 2d]` and the maps `[B, H, T, K]` (signal maps then noise maps)."""
+        `[B, T, H/2, 2d]` (fp32) and the maps `[B, H, T, K]` (signal maps then noise maps)."""
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         attn_scores = torch.matmul(query_states, key_states.transpose(2, 3)).float() * self.scaling
         # A finite fill keeps fully masked rows (padding) NaN-free in forward and backward; they are zeroed below.
@@ -414,25 +489,22 @@ class DintAttention(nn.Module):
         attn_weights = attn_weights.to(query_states.dtype)
         signal_weights, noise_weights = torch.chunk(attn_weights, 2, dim=1)  # A1, A2: [B, H/2, T, K]
 
-        past_query_count, past_column_sums = _integral_carry(cache_layer, "column_sums")
-        final_weights, running_column_sums, running_query_count = compose_final_attention(
+        final_weights, running_column_sums = compose_final_attention(
             signal_weights,
             noise_weights,
             self.lambda_full(),
             self.integral,
-            query_valid,
-            document_start,
+            integral_layout,
             key_mask,
-            past_query_count,
-            past_column_sums,
+            _integral_carry(cache_layer, "column_sums"),
         )
-        if cache_layer is not None and running_query_count is not None:
-            cache_layer.update_integral(running_query_count, None, running_column_sums)
+        if cache_layer is not None and running_column_sums is not None:
+            cache_layer.update_integral(integral_layout.running_query_count, None, running_column_sums)
 
         # Value channels of differential head j: [V half 1 | V half 2] of its KV head, [B, H/2, K, 2d]
         value_first_half, value_second_half = torch.chunk(value_states, 2, dim=1)
         head_values = repeat_kv(torch.cat([value_first_half, value_second_half], dim=-1), self.num_key_value_groups)
-        attn_output = torch.matmul(final_weights, head_values.float()).to(value_states.dtype)
+        attn_output = torch.matmul(final_weights, head_values.float())
         return attn_output.transpose(1, 2), attn_weights
 
 
@@ -440,11 +512,11 @@ def _unsupported_eager_interface(*args, **kwargs):
     raise RuntimeError("DINT's eager attention is the materializing path; it never goes through an interface.")
 
 
-def _integral_carry(cache_layer, state_name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`(query_count [B], state [B, H/2, C])` carried by a DINT cache layer, or `(None, None)` without a cache or
-    before its first update. `state_name` is "signal_sum" (fast path) or "column_sums" (materializing path)."""
+def _integral_carry(cache_layer, state_name: str) -> torch.Tensor | None:
+    """The sums `[B, H/2, C]` a DINT cache layer carries into this call, or None without a cache or before its first
+    update. `state_name` is "signal_sum" (fast path) or "column_sums" (materializing path)."""
     if cache_layer is None or cache_layer.query_count is None:
-        return None, None
+        return None
     state = getattr(cache_layer, state_name)
     if state is None:
         other_path = "the fast path" if state_name == "column_sums" else "the materializing path"
@@ -453,7 +525,7 @@ def _integral_carry(cache_layer, state_name: str) -> tuple[torch.Tensor | None, 
             f"attn_implementation and integral mode that filled it (eager attention and integral='softmax' use the "
             f"materializing path; other backends the fast path)."
         )
-    return cache_layer.query_count, state
+    return state
 
 
 class DintDecoderLayer(GradientCheckpointingLayer):
@@ -473,8 +545,7 @@ class DintDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        query_valid: torch.Tensor | None = None,
-        document_start: torch.Tensor | None = None,
+        integral_layout: DintIntegralLayout | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -482,8 +553,7 @@ class DintDecoderLayer(GradientCheckpointingLayer):
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
-            query_valid=query_valid,
-            document_start=document_start,
+            integral_layout=integral_layout,
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=use_cache,
@@ -589,14 +659,11 @@ class DintModel(DintPreTrainedModel):
             check_dint_cache(past_key_values, self.config)
 
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        given_position_ids = position_ids
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        batch_size, query_length = inputs_embeds.shape[:2]
-        query_valid, document_start = dint_query_layout(
-            attention_mask, position_ids, batch_size, query_length, kwargs.get("cu_seq_lens_q")
-        )
         # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0)
         # get their block-diagonal mask even when `use_cache` created a cache.
         mask_cache = past_key_values
@@ -614,6 +681,30 @@ class DintModel(DintPreTrainedModel):
         if materializing and causal_mask.dtype != torch.bool:
             causal_mask = causal_mask == 0
 
+        integral_layout = None
+        if self.config.integral != "none":
+            # transformers returns no mask only where no key, hence no query row, of this call is padding. Without
+            # position ids of the caller's, no row after row 0 starts a document, and row 0 continues the cache's
+            # document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
+            batch_size, query_length = inputs_embeds.shape[:2]
+            query_valid, document_start = dint_query_layout(
+                attention_mask if causal_mask is not None else None,
+                given_position_ids,
+                batch_size,
+                query_length,
+                kwargs.get("cu_seq_lens_q"),
+            )
+            past_query_count = past_key_values.layers[0].query_count if past_key_values is not None else None
+            integral_layout = DintIntegralLayout.build(
+                query_valid,
+                document_start,
+                past_query_count,
+                batch_size,
+                query_length,
+                inputs_embeds.device,
+                continues_cache=past_seen_tokens > 0,
+            )
+
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
@@ -625,8 +716,7 @@ class DintModel(DintPreTrainedModel):
                 position_ids=position_ids,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
-                query_valid=query_valid,
-                document_start=document_start,
+                integral_layout=integral_layout,
                 **kwargs,
             )
 
@@ -763,6 +853,7 @@ __all__ = [
     "DintForTokenClassification",
     "DintForQuestionAnswering",
     "dint_attention_map",
+    "DintIntegralLayout",
     "compose_final_attention",
     "segmented_running_sum",
 ]

@@ -1,6 +1,7 @@
 """DINT attention against the paper's formulas: row sums, causality, backends, padding, DiffLlama, gradients."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -8,7 +9,15 @@ from dint_testing import left_padded_batch, tiny_config, tiny_model
 from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
-from modeling_dint.modeling_dint import DintAttention, DintRotaryEmbedding, dint_query_layout
+from modeling_dint.modeling_dint import (
+    DintAttention,
+    DintHeadRMSNorm,
+    DintIntegralLayout,
+    DintRotaryEmbedding,
+    _cumsum_over_rows,
+    dint_query_layout,
+    segmented_running_sum,
+)
 
 
 INTEGRALS = ["mean", "softmax", "none"]
@@ -93,9 +102,10 @@ def test_attention_matches_naive_paper_formulas(integral, attn_implementation):
     )[:, None]
     query_valid_from_mask, document_start = dint_query_layout(mask, position_ids, 2, 7)
     assert torch.equal(query_valid_from_mask, query_valid)
+    layout = DintIntegralLayout.build(query_valid_from_mask, document_start, None, 2, 7, hidden_states.device)
     with torch.no_grad():
         expected = naive_dint_attention(attention, hidden_states, position_embeddings, query_valid, document_id)
-        actual, _ = attention(hidden_states, position_embeddings, mask, query_valid, document_start)
+        actual, _ = attention(hidden_states, position_embeddings, mask, layout)
     valid = query_valid[..., None].expand_as(actual)
     torch.testing.assert_close(actual[valid], expected[valid].float(), atol=1e-5, rtol=1e-5)
 
@@ -234,3 +244,90 @@ def test_bf16_long_sequence_with_left_padding_is_finite(attn_implementation, int
         logits = model(input_ids, attention_mask=attention_mask).logits
     assert logits.dtype == torch.bfloat16
     assert torch.isfinite(logits).all()
+
+
+def running_sum_by_loop(rows, query_valid, document_start, carry, query_dim):
+    """The running sum over query rows as a loop in float64, independent of the package's scan and gather."""
+    moved = rows.movedim(query_dim, 1).double()
+    result = torch.zeros_like(moved)
+    for b in range(moved.shape[0]):
+        total = torch.zeros_like(moved[b, 0]) if carry is None else carry[b].double()
+        for n in range(moved.shape[1]):
+            if document_start is not None and document_start[b, n]:
+                total = torch.zeros_like(total)
+            if query_valid is None or query_valid[b, n]:
+                total = total + moved[b, n]
+            result[b, n] = total
+    return result.movedim(1, query_dim)
+
+
+@pytest.mark.parametrize("query_dim", [1, 2])
+@pytest.mark.parametrize("length", [1, 9])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("documents", ["none", "first row", "random"])
+@pytest.mark.parametrize("carry", [False, True])
+def test_segmented_running_sum_matches_a_loop(query_dim, length, padding, documents, carry):
+    """Every shortcut of the layout (no padding; no document start, or one at row 0 only, known without a tensor;
+    a one-row call) against the plain definition; padding rows hold NaN, which must not leak."""
+    generator = torch.Generator().manual_seed(length + 10 * query_dim)
+    batch_size = 4
+    shape = (batch_size, length, 2, 5) if query_dim == 1 else (batch_size, 2, length, 5)
+    query_valid = torch.rand(batch_size, length, generator=generator) > 0.3 if padding else None
+    document_start = torch.rand(batch_size, length, generator=generator) > 0.6 if documents == "random" else None
+    rows = torch.randn(shape, generator=generator)
+    if query_valid is not None:
+        row_mask = query_valid.view(batch_size, length, 1, 1) if query_dim == 1 else query_valid.view(batch_size, 1, length, 1)
+        rows = torch.where(row_mask, rows, float("nan"))
+    carried_sums = torch.randn(batch_size, 2, 5, generator=generator) if carry else None
+    carried_count = torch.randint(0, 5, (batch_size,), generator=generator).float() if carry else None
+
+    continues_cache = documents != "first row"
+    layout = DintIntegralLayout.build(
+        query_valid, document_start, carried_count, batch_size, length, rows.device, continues_cache
+    )
+    if not continues_cache:  # what the layout was told without a tensor, written out for the loop
+        document_start = torch.zeros(batch_size, length, dtype=torch.bool)
+        document_start[:, 0] = True
+    actual = segmented_running_sum(rows, layout, carried_sums, query_dim=query_dim)
+    expected = running_sum_by_loop(rows, query_valid, document_start, carried_sums, query_dim)
+    assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected.float(), atol=1e-5, rtol=1e-5)
+
+    ones = torch.ones(batch_size, length)
+    expected_count = running_sum_by_loop(ones, query_valid, document_start, carried_count, 1).float()
+    torch.testing.assert_close(layout.running_query_count, expected_count)
+    torch.testing.assert_close(layout.inverse_query_count, 1 / expected_count.clamp(min=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_layouts_agree(dtype):
+    """The scan with the query rows last (what CUDA runs) and in place (CPU) give the same sums and gradients, so the
+    CPU suite covers the GPU layout too."""
+    for query_dim, shape in ((1, (2, 33, 3, 8)), (2, (2, 3, 33, 8))):
+        rows = torch.randn(shape).to(dtype).requires_grad_()
+        weights = torch.randn(shape)
+        results = []
+        for scan_rows_last in (False, True):
+            totals = _cumsum_over_rows(rows, query_dim, scan_rows_last=scan_rows_last)
+            (gradient,) = torch.autograd.grad((totals * weights).sum(), rows)
+            assert totals.dtype == torch.float32 and totals.shape == rows.shape
+            results.append((totals, gradient))
+        torch.testing.assert_close(results[0][0], results[1][0])
+        torch.testing.assert_close(results[0][1], results[1][1])
+
+
+def test_head_norm_runs_in_its_input_dtype():
+    """The head norm normalizes the fp32 combination in fp32 whatever the weight's dtype (a bf16 model keeps bf16
+    weights), without torch's mixed-dtype fallback (unfused, with a warning); and a bf16 input stays bf16."""
+    norm = DintHeadRMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm = norm.to(torch.bfloat16)
+    hidden_states = torch.randn(2, 5, 3, 8)
+    expected = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Mm]ismatch dtype.*")
+        actual = norm(hidden_states)
+        assert norm(hidden_states.bfloat16()).dtype == torch.bfloat16
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected)
