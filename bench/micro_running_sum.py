@@ -1,6 +1,6 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""The running sum over query rows in isolation: the package's `segmented_running_sum` against the ops it is made of
-and against other ways of computing the same prefix sum, forward and forward+backward.
+"""The running sum over query rows in isolation: the package's `segmented_running_sum` (one document, and packed
+documents) against the scans it chooses between and a blocked-matmul scan, forward and forward+backward.
 
     python bench/micro_running_sum.py --device cuda --seq-lens 2048,8192,32768 --heads 8 --channels 128
 
@@ -15,13 +15,13 @@ import time
 import torch
 
 
-def outer_dim_cumsum(rows):
-    """What the package does: a scan along dim -2 (T), whose stride is `channels`."""
+def in_place_cumsum(rows):
+    """A scan along dim -2 (T), whose stride is `channels`: what the package runs on CPU."""
     return rows.cumsum(dim=-2)
 
 
-def inner_dim_cumsum(rows):
-    """The same prefix sum with T made the innermost, contiguous dim first."""
+def rows_last_cumsum(rows):
+    """The same prefix sum over a copy with T innermost and contiguous: what the package runs on CUDA."""
     return rows.transpose(-1, -2).contiguous().cumsum(dim=-1).transpose(-1, -2)
 
 
@@ -40,27 +40,31 @@ def blocked_cumsum(rows, block: int = 128):
     return (within + offsets[..., None, :]).view(batch, heads, -1, channels)[:, :, :length]
 
 
-def gather_at_document_start(rows):
-    """The gather the package uses to subtract the sum before each row's document start (one document: index 0)."""
-    start_index = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.long, device=rows.device)
-    return rows.gather(-2, start_index[:, None, :, None].expand_as(rows))
+_LAYOUTS = {}
 
 
-def package_running_sum(rows):
-    from modeling_dint import segmented_running_sum
+def package_running_sum(rows, documents: int = 1):
+    """The package's `segmented_running_sum` with the layout a forward builds (once per forward, shared by the layers:
+    built once here too): one document per row (no caller's position ids: a scan and nothing else), or `documents`
+    packed documents (the scan plus a gather)."""
+    from modeling_dint import DintIntegralLayout, segmented_running_sum
 
     batch, _, length, _ = rows.shape
-    query_valid = torch.ones(batch, length, dtype=torch.bool, device=rows.device)
-    document_start = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
-    document_start[:, 0] = True
-    return segmented_running_sum(rows, query_valid, document_start)
+    key = (batch, length, documents, rows.device)
+    if key not in _LAYOUTS:
+        document_start = None
+        if documents > 1:
+            document_start = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
+            document_start[:, :: max(length // documents, 1)] = True
+        _LAYOUTS[key] = DintIntegralLayout.build(None, document_start, None, batch, length, rows.device)
+    return segmented_running_sum(rows, _LAYOUTS[key], query_dim=2)
 
 
 VARIANTS = {
-    "segmented_running_sum (package)": package_running_sum,
-    "  its cumsum along T (dim -2)": outer_dim_cumsum,
-    "  its gather at the document start": gather_at_document_start,
-    "cumsum with T innermost": inner_dim_cumsum,
+    "segmented_running_sum, 1 document": package_running_sum,
+    "segmented_running_sum, 4 documents": lambda rows: package_running_sum(rows, documents=4),
+    "cumsum along T in place (CPU)": in_place_cumsum,
+    "cumsum with T innermost (CUDA)": rows_last_cumsum,
     "blocked matmul scan (block 128)": blocked_cumsum,
 }
 
@@ -104,7 +108,7 @@ def main() -> None:
                 function(leaf).sum().backward()
 
             both = time_ms(forward_backward, args.device, args.repeats)
-            error = "" if "gather" in name else f"{(function(rows).double() - reference).abs().max().item():.1e}"
+            error = "" if "documents" in name and "1 document" not in name else f"{(function(rows).double() - reference).abs().max().item():.1e}"
             print(f"{name:<38} {length:>7} {forward:>10.3f} {both:>10.3f} {error:>18}")
 
 

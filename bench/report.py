@@ -219,6 +219,30 @@ def absolute_tables(tables: Tables) -> list[str]:
     return lines
 
 
+def op_count_table(results: dict) -> list[str]:
+    """Tensor ops per step by model, and what DINT fast adds over DiffLlama per layer (results from before the counts
+    were recorded have none)."""
+    counts = results.get("op_counts")
+    if not counts:
+        return []
+    models = list(counts)
+    layers = results["model_config"]["num_hidden_layers"]
+    compare = "dint_fast" in counts and "diffllama" in counts
+    lines = [
+        "Non-view aten ops one step dispatches (on a GPU, each is at least one kernel launch: at launch-bound sizes "
+        "their number sets the time; `bench/count_ops.py`):",
+        "",
+        "| step | " + " | ".join(MODEL_LABELS[m] for m in models) + (" | DINT fast − DiffLlama, per layer |" if compare else " |"),
+        "|" + " --- |" * (len(models) + 1 + compare),
+    ]
+    for step in ("forward", "forward_backward", "decode"):
+        row = [step.replace("_", "+")] + [str(counts[m][step]) for m in models]
+        if compare:
+            row.append(f"{(counts['dint_fast'][step] - counts['diffllama'][step]) / layers:+.1f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def skipped_lines(tables: Tables) -> list[str]:
     notes = {}
     for (model, mode, n), note in sorted(tables.notes.items(), key=lambda item: (item[0][0], item[0][1], item[0][2])):
@@ -273,6 +297,9 @@ def render_markdown(results: dict) -> str:
         "",
         *absolute_tables(tables),
     ]
+    op_counts = op_count_table(results)
+    if op_counts:
+        lines += ["", "## Tensor ops per step", "", *op_counts]
     skipped = skipped_lines(tables)
     if skipped:
         lines += ["", "## Skipped", "", *skipped]

@@ -10,7 +10,8 @@ transformers' DiffLlama and Llama, and measures in one run:
    models run round-robin (the order rotates every repetition), after a warm-up, so that a machine's drift or a
    neighbour's load falls on all models alike;
 3. decode: the prompt fills a cache, then greedy tokens one at a time, round-robin over the models; per-token latency,
-   the cache's bytes and the integral state's bytes per layer (every tensor of a cache layer beside keys/values).
+   the cache's bytes and the integral state's bytes per layer (every tensor of a cache layer beside keys/values);
+4. the tensor ops each model dispatches per step (`count_ops.py`): what a launch-bound GPU pays per op.
 
 Writes `results.json` (raw samples, machine, versions), `results.md` (ratio and absolute tables) and `results.png`
 to `--output-dir` (default `bench/results/<device>_<dtype>/`). Run `python bench/run_benchmark.py --quick` for a
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # noqa: E402
+import count_ops  # noqa: E402
 import report  # noqa: E402
 
 
@@ -57,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and length")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per model and length")
     parser.add_argument("--decode-warmup", type=int, default=2, help="untimed decode samples (blocks)")
-    parser.add_argument("--decode-blocks", type=int, default=8, help="timed decode samples per model and prompt")
+    parser.add_argument("--decode-blocks", type=int, default=16, help="timed decode samples per model and prompt")
     parser.add_argument("--decode-block", type=int, default=4, help="consecutive tokens per decode sample")
     parser.add_argument(
         "--memory-budget-gb",
@@ -369,6 +371,16 @@ def sanity_checks(models: dict, args) -> dict:
     return checks
 
 
+def count_tensor_ops(models: dict, args) -> dict:
+    """Non-view aten ops per forward, forward+backward and decode step of each model (a 64-token sequence; the counts
+    do not depend on the length)."""
+    input_ids = bench_common.make_input_ids(64, args.batch_size, args.vocab_size, args.device, seed=4)
+    return {
+        name: {step: sum(counter.values()) for step, counter in count_ops.count_model_ops(model, input_ids).items()}
+        for name, model in models.items()
+    }
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -399,6 +411,8 @@ def main(argv=None) -> None:
     }
     checks = sanity_checks(models, args)
     log(f"sanity {checks}")
+    op_counts = count_tensor_ops(models, args)
+    log(f"tensor ops per step {op_counts}")
     step_results = measure_steps(args, models, skips, log)
     decode_results = measure_decode(args, models, skips, log)
 
@@ -410,6 +424,7 @@ def main(argv=None) -> None:
         "model_config": size_kwargs,
         "parameters": {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()},
         "sanity": checks,
+        "op_counts": op_counts,
         "memory": memory_results,
         "steps": step_results,
         "decode": decode_results,
