@@ -78,7 +78,9 @@ class DintHeadRMSNorm(nn.RMSNorm):
     weight's dtype; `elementwise_affine=False` drops the weight (the head-norm ablation)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.to(hidden_states.dtype)
+        weight = self.weight
+        if weight is not None and weight.dtype != hidden_states.dtype:
+            weight = weight.to(hidden_states.dtype)
         return nn.functional.rms_norm(hidden_states, self.normalized_shape, weight, self.eps)
 
 
@@ -109,8 +111,8 @@ class DintIntegralLayout:
             row 0 starts a document: a position id 0).
         running_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `c_n`, the valid rows m <= n of row n's
             document, the cache's count included.
-        inverse_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `1 / max(c_n, 1)` (a document with no valid row
-            yet has G = 0).
+        inverse_query_count (`torch.Tensor` of shape `[B, T, 1, 1]`, fp32, broadcastable against the fast path's
+            `[B, T, H/2, 2d]`): `1 / max(c_n, 1)` (a document with no valid row yet has G = 0).
     """
 
     query_valid: torch.Tensor | None = None
@@ -148,7 +150,7 @@ class DintIntegralLayout:
             layout.restart_row, layout.in_carried_document = start_index.clamp(min=0), start_index < 0
         rows = torch.ones(batch_size, query_length, device=device)
         layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
-        layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()
+        layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None]
         return layout
 
 
@@ -160,12 +162,12 @@ def _cumsum_over_rows(rows: torch.Tensor, query_dim: int, scan_rows_last: bool |
     so elsewhere (`scan_rows_last`, default: not on CPU) the scan runs over an fp32 copy with the rows last.
     """
     if rows.shape[query_dim] == 1:
-        return rows.to(torch.float32)
+        return rows.float()
     if scan_rows_last is None:
         scan_rows_last = rows.device.type != "cpu"
     if not scan_rows_last:
         # Cast, then scan: `cumsum(dtype=torch.float32)` would run its backward scan in the input's dtype (bf16).
-        return rows.to(torch.float32).cumsum(query_dim)
+        return rows.float().cumsum(query_dim)
     rows_last = rows.movedim(query_dim, -1).to(torch.float32, memory_format=torch.contiguous_format)
     return rows_last.cumsum(-1).movedim(-1, query_dim)
 
@@ -244,7 +246,7 @@ def compose_final_attention(
     if past_column_sums is not None:
         past_column_sums = nn.functional.pad(past_column_sums, (0, signal_weights.shape[-1] - past_column_sums.shape[-1]))
     running_column_sums = segmented_running_sum(signal_weights, layout, past_column_sums, query_dim=2)
-    integral_weights = running_column_sums * layout.inverse_query_count[:, None, :, None]
+    integral_weights = running_column_sums * layout.inverse_query_count.transpose(1, 2)  # [B, 1, T, 1]
     if integral == "softmax":
         key_valid = key_valid.expand_as(integral_weights)
         integral_weights = integral_weights.masked_fill(~key_valid, torch.finfo(torch.float32).min).softmax(dim=-1)
@@ -472,8 +474,9 @@ class DintAttention(nn.Module):
         if cache_layer is not None:
             cache_layer.update_integral(integral_layout.running_query_count, running_signal_sum.transpose(1, 2), None)
         # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
-        inverse_query_count = integral_layout.inverse_query_count[:, :, None, None]
-        noise_minus_integral = torch.addcmul(noise_output, running_signal_sum, inverse_query_count, value=-1)
+        noise_minus_integral = torch.addcmul(
+            noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1
+        )
         return torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
 
     def _materialized_attention(
