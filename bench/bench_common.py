@@ -30,15 +30,28 @@ MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def add_model_size_arguments(parser) -> None:
+    """The size flags every benchmark script takes (read by `model_size_kwargs`). Default model: hidden 256, 4 layers,
+    8 softmax maps (4 differential heads), head_dim 32, MLP 688, vocab 2048, batch 1."""
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=688)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=8, help="softmax maps (DINT/DiffLlama: H/2 diff. heads)")
+    parser.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads (must be even)")
+    parser.add_argument("--vocab-size", type=int, default=2048)
+
+
 def model_size_kwargs(args) -> dict:
-    """The config fields shared by the four models, from the command line's size flags."""
+    """The config fields shared by the four models, from the size flags (`add_model_size_arguments`) and
+    `args.max_positions`."""
     return {
         "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
         "num_hidden_layers": args.num_layers,
         "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
+        "num_key_value_heads": args.num_kv_heads or args.num_heads,
         "head_dim": args.hidden_size // args.num_heads,
         "max_position_embeddings": max(args.max_positions, 64),
         "tie_word_embeddings": False,

@@ -65,16 +65,9 @@ def main() -> None:
     parser.add_argument("--models", default="dint_fast,diffllama,llama")
     parser.add_argument("--seq-len", type=int, default=512, help="sequence length, and the prompt length for decode")
     parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=688)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=1)
+    bench_common.add_model_size_arguments(parser)
     parser.add_argument("--by-op", action="store_true", help="list the ops whose count differs from DiffLlama's")
     args = parser.parse_args()
-    args.num_kv_heads = args.num_kv_heads or args.num_heads
     args.max_positions = args.seq_len + 8
     size_kwargs = bench_common.model_size_kwargs(args)
 

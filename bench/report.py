@@ -9,6 +9,7 @@
 import argparse
 import math
 import os
+import statistics
 
 
 MODEL_LABELS = {
@@ -65,11 +66,34 @@ class Tables:
         entry = self.decode.get((model, prompt_len))
         return None if entry is None else entry["per_token_s"]["median"]
 
+    def time_ratio(self, model, other, mode, seq_len):
+        """`model`'s time over `other`'s: the median of the per-repetition ratios (None if either is missing)."""
+        entries = self.time.get((model, mode, seq_len)), self.time.get((other, mode, seq_len))
+        return None if None in entries else _paired_ratio(entries[0]["samples"], entries[1]["samples"])
+
+    def decode_ratio(self, model, other, prompt_len):
+        """`model`'s per-token latency over `other`'s: the median of the per-sample ratios."""
+        entries = self.decode.get((model, prompt_len)), self.decode.get((other, prompt_len))
+        if None in entries:
+            return None
+        return _paired_ratio(entries[0]["per_token_s"]["samples"], entries[1]["per_token_s"]["samples"])
+
+
+def _paired_ratio(samples, other_samples) -> float:
+    """Median of `samples[i] / other_samples[i]`. The i-th samples of all models ran in the same round-robin round, back
+    to back, so a drift of the machine during the run (seen: every model 30% slower for a minute) cancels in each
+    ratio, where it would not between two medians taken over the whole run."""
+    return statistics.median(a / b for a, b in zip(samples, other_samples))
+
 
 def _ratio(numerator, denominator) -> str:
     if numerator is None or denominator is None or denominator == 0:
         return "–"
     return f"{numerator / denominator:.2f}"
+
+
+def _format_ratio(ratio) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}"
 
 
 def _seconds(entry, scale=1.0, digits=3) -> str:
@@ -109,20 +133,14 @@ def targets_table(tables: Tables) -> list[str]:
 
     if {"dint_fast", "diffllama"} <= have:
         for mode, label in (("forward_backward", "forward+backward"), ("forward", "forward")):
-            values = []
-            for n in tables.seq_lens:
-                fast, diff = tables.median("dint_fast", mode, n), tables.median("diffllama", mode, n)
-                if n >= TARGET_FROM_LENGTH and fast and diff:
-                    values.append((n, fast / diff))
+            values = [(n, tables.time_ratio("dint_fast", "diffllama", mode, n))
+                      for n in tables.seq_lens if n >= TARGET_FROM_LENGTH]  # fmt: skip
             ratio, text = worst_ratio(values)
             met = "–" if ratio is None or mode == "forward" else ("yes" if ratio <= RATIO_TARGET else "**no**")
             goal = f"≤ {RATIO_TARGET}" if mode == "forward_backward" else "(no target, shown)"
             lines.append(f"| DINT fast / DiffLlama time, {label}, N ≥ {TARGET_FROM_LENGTH}: {goal} | {text} | {met} |")
-        values = []
-        for p in tables.prompt_lens:
-            fast, diff = tables.decode_median("dint_fast", p), tables.decode_median("diffllama", p)
-            if p >= TARGET_FROM_LENGTH and fast and diff:
-                values.append((p, fast / diff))
+        values = [(p, tables.decode_ratio("dint_fast", "diffllama", p))
+                  for p in tables.prompt_lens if p >= TARGET_FROM_LENGTH]  # fmt: skip
         ratio, text = worst_ratio(values)
         met = "–" if ratio is None else ("yes" if ratio <= RATIO_TARGET else "**no**")
         lines.append(f"| DINT fast / DiffLlama decode per token, prompt ≥ {TARGET_FROM_LENGTH}: ≤ {RATIO_TARGET} | {text} | {met} |")
@@ -170,7 +188,7 @@ def ratio_tables(tables: Tables) -> list[str]:
     for n in tables.seq_lens:
         row = [str(n)]
         for mode in ("forward", "forward_backward"):
-            row += [_ratio(tables.median("dint_fast", mode, n), tables.median(other, mode, n)) for other, _ in pairs]
+            row += [_format_ratio(tables.time_ratio("dint_fast", other, mode, n)) for other, _ in pairs]
         row += [_ratio(tables.peak.get(("dint_fast", "forward_backward", n)), tables.peak.get((other, "forward_backward", n)))
                 for other, _ in pairs]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
@@ -178,7 +196,7 @@ def ratio_tables(tables: Tables) -> list[str]:
     header = ["prompt"] + [f"latency {label}" for _, label in pairs] + [f"cache bytes {label}" for _, label in pairs]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for p in tables.prompt_lens:
-        row = [str(p)] + [_ratio(tables.decode_median("dint_fast", p), tables.decode_median(other, p)) for other, _ in pairs]
+        row = [str(p)] + [_format_ratio(tables.decode_ratio("dint_fast", other, p)) for other, _ in pairs]
         fast = tables.decode.get(("dint_fast", p))
         for other, _ in pairs:
             entry = tables.decode.get((other, p))
@@ -289,7 +307,7 @@ def render_markdown(results: dict) -> str:
         "",
         *targets_table(tables),
         "",
-        "## Ratios (DINT fast over each; ratio of medians, memory: ratio of peaks)",
+        "## Ratios (DINT fast over each; time: median of the per-round ratios, memory: ratio of peaks)",
         "",
         *ratio_tables(tables),
         "",
@@ -349,12 +367,12 @@ def render_plot(results: dict, path: str) -> None:
 
     ratio_axis = axes[1, 0]
     for mode, style in (("forward", ":"), ("forward_backward", "-")):
-        points = [(n, tables.median("dint_fast", mode, n), tables.median("diffllama", mode, n)) for n in tables.seq_lens]
-        points = [(n, a / b) for n, a, b in points if a and b]
+        points = [(n, tables.time_ratio("dint_fast", "diffllama", mode, n)) for n in tables.seq_lens]
+        points = [(n, ratio) for n, ratio in points if ratio]
         if points:
             ratio_axis.plot(*zip(*points), style, marker="o", color="tab:red", label=f"{mode.replace('_', '+')}")
-    points = [(p, tables.decode_median("dint_fast", p), tables.decode_median("diffllama", p)) for p in tables.prompt_lens]
-    points = [(p, a / b) for p, a, b in points if a and b]
+    points = [(p, tables.decode_ratio("dint_fast", "diffllama", p)) for p in tables.prompt_lens]
+    points = [(p, ratio) for p, ratio in points if ratio]
     if points:
         ratio_axis.plot(*zip(*points), "--", marker="D", color="tab:purple", label="decode / token (x = prompt)")
     ratio_axis.axhline(RATIO_TARGET, color="black", linewidth=0.8, label=f"target {RATIO_TARGET}")

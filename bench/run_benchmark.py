@@ -49,13 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default=",".join(bench_common.MODEL_NAMES), help="comma-separated subset")
     parser.add_argument("--seq-lens", default=None, help="forward / forward+backward lengths, comma-separated")
     parser.add_argument("--prompt-lens", default=None, help="decode prompt lengths, comma-separated")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=688)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=8, help="softmax maps (DINT/DiffLlama: H/2 diff. heads)")
-    parser.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads (must be even)")
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    bench_common.add_model_size_arguments(parser)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and length")
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions per model and length")
     parser.add_argument("--decode-warmup", type=int, default=2, help="untimed decode samples (blocks)")
@@ -90,8 +84,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     is_cuda = args.device.startswith("cuda")
     if args.dtype is None:
         args.dtype = "bf16" if is_cuda else "fp32"
-    if args.num_kv_heads is None:
-        args.num_kv_heads = args.num_heads
     if args.quick:
         args.seq_lens = args.seq_lens or "256,512,1024"
         args.prompt_lens = args.prompt_lens or "128,512"
