@@ -113,10 +113,11 @@ class DintIntegralStateMixin:
                     if kept <= query_count.shape[-1]:
                         break
                     kept -= query_count.shape[-1]
+                # Copies: a view would keep the whole recorded chunk alive after the recording is dropped.
                 self._set_state(
-                    query_count[:, kept - 1],
-                    None if signal_sum is None else signal_sum[:, :, kept - 1],
-                    None if column_sums is None else column_sums[:, :, kept - 1],
+                    query_count[:, kept - 1].clone(),
+                    None if signal_sum is None else signal_sum[:, :, kept - 1].clone(),
+                    None if column_sums is None else column_sums[:, :, kept - 1].clone(),
                 )
             if self.column_sums is not None:
                 self.column_sums = self.column_sums[..., : self.get_seq_length()]

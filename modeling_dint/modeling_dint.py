@@ -19,14 +19,14 @@ transformers and its sibling files.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -141,6 +141,12 @@ class DintIntegralLayout:
             continues_cache (`bool` or bool `torch.Tensor`): without `document_start`, whether row 0 continues the
                 cache's document (without a caller's position ids: whether the cache holds tokens).
         """
+        if not isinstance(continues_cache, torch.Tensor):
+            continues_cache = bool(continues_cache)  # the checks below test identity with True / False
+        if query_valid is not None:
+            query_valid = query_valid.to(device)  # a padding mask may come on another device, as for Llama
+        if document_start is not None:
+            document_start = document_start.to(device)
         layout = cls(query_valid=query_valid, carry_kept=continues_cache)
         if document_start is not None and query_length == 1:
             layout.carry_kept = ~document_start[:, 0]
@@ -152,6 +158,16 @@ class DintIntegralLayout:
         layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
         layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None]
         return layout
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "DintIntegralLayout":
+        """The layout with its tensors on `device`. Accelerate's hooks call it to move a layer's arguments to the
+        layer's device when a model is split over devices (`device_map`)."""
+        moved = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                moved[field.name] = value.to(device, non_blocking=non_blocking)
+        return replace(self, **moved)
 
 
 def _cumsum_over_rows(rows: torch.Tensor, query_dim: int, scan_rows_last: bool | None = None) -> torch.Tensor:
@@ -686,12 +702,17 @@ class DintModel(DintPreTrainedModel):
 
         integral_layout = None
         if self.config.integral != "none":
-            # transformers returns no mask only where no key, hence no query row, of this call is padding. Without
-            # position ids of the caller's, no row after row 0 starts a document, and row 0 continues the cache's
-            # document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
+            # For a backend with a mask function, transformers returns no mask only where no key, hence no query row,
+            # of this call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself,
+            # so the integral reads the caller's. Without position ids of the caller's, no row after row 0 starts a
+            # document, and row 0 continues the cache's document if the cache holds tokens (a static cache rewound
+            # to 0, as ExecuTorch's recipe does, restarts).
+            mask_tells_padding = (
+                causal_mask is not None or self.config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
+            )
             batch_size, query_length = inputs_embeds.shape[:2]
             query_valid, document_start = dint_query_layout(
-                attention_mask if causal_mask is not None else None,
+                attention_mask if mask_tells_padding else None,
                 given_position_ids,
                 batch_size,
                 query_length,

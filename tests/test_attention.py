@@ -331,3 +331,50 @@ def test_head_norm_runs_in_its_input_dtype():
         assert norm(hidden_states.bfloat16()).dtype == torch.bfloat16
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected)
+
+
+def test_layout_moves_with_accelerate_to_a_layer_device():
+    """A model split over devices (`device_map`) gets each layer's arguments moved by accelerate's `send_to_device`,
+    which moves an object through its `to`: every tensor of the layout must follow, and its flags stay as they are.
+    A padding mask on another device than the model's is moved when the layout is built (as transformers' mask is)."""
+    from accelerate.utils import send_to_device
+
+    query_valid = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    document_start = torch.tensor([[False, True, False, True], [True, False, False, False]])
+    layout = DintIntegralLayout.build(query_valid, document_start, torch.ones(2), 2, 4, torch.device("cpu"))
+    moved = send_to_device(layout, torch.device("meta"))
+    assert isinstance(moved, DintIntegralLayout) and moved.carry_kept is True
+    for name in ("query_valid", "restart_row", "in_carried_document", "running_query_count", "inverse_query_count"):
+        assert getattr(moved, name).device.type == "meta", name
+        assert getattr(layout, name).device.type == "cpu", name
+
+    built_elsewhere = DintIntegralLayout.build(query_valid, document_start, None, 2, 4, torch.device("meta"))
+    assert built_elsewhere.query_valid.device.type == "meta"
+    assert built_elsewhere.restart_row.device.type == "meta"
+
+
+def test_backend_without_mask_function_still_skips_padding_rows():
+    """A registered attention backend with no mask function (as TGI / vLLM register) gets no mask from transformers and
+    handles padding itself; the integral must still leave the padding rows out of its running mean."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    input_ids, attention_mask = left_padded_batch(lengths=(10, 6))
+    length = input_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    own_mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, T, K], what the backend knows
+
+    def self_masking_attention(module, query, key, value, attention_mask, **kwargs):
+        assert attention_mask is None  # transformers built no mask for this backend
+        return sdpa_attention_forward(module, query, key, value, own_mask, **kwargs)
+
+    AttentionInterface.register("dint_test_self_masking", self_masking_attention)
+    try:
+        model = tiny_model("sdpa", integral="mean")
+        with torch.no_grad():
+            alone = model(input_ids[1:, 4:]).logits
+            model.set_attn_implementation("dint_test_self_masking")
+            padded = model(input_ids, attention_mask=attention_mask).logits
+    finally:
+        AttentionInterface._global_mapping.pop("dint_test_self_masking", None)
+    torch.testing.assert_close(padded[1, 4:], alone[0], atol=1e-5, rtol=1e-5)
