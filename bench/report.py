@@ -79,11 +79,14 @@ class Tables:
         return _paired_ratio(entries[0]["per_token_s"]["samples"], entries[1]["per_token_s"]["samples"])
 
 
-def _paired_ratio(samples, other_samples) -> float:
+def _paired_ratio(samples, other_samples) -> float | None:
     """Median of `samples[i] / other_samples[i]`. The i-th samples of all models ran in the same round-robin round, back
     to back, so a drift of the machine during the run (seen: every model 30% slower for a minute) cancels in each
     ratio, where it would not between two medians taken over the whole run."""
-    return statistics.median(a / b for a, b in zip(samples, other_samples))
+    if len(samples) != len(other_samples):
+        raise ValueError(f"cannot pair {len(samples)} samples with {len(other_samples)}: they come from different runs")
+    ratios = [a / b for a, b in zip(samples, other_samples) if b > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def _ratio(numerator, denominator) -> str:
