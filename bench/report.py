@@ -155,7 +155,8 @@ def targets_table(tables: Tables) -> list[str]:
             slope = _slope(points)
             measured = [n for n, v in points if v]
             if slope is None:
-                lines.append(f"| {MODEL_LABELS[model]} peak memory ({mode}) {label} in N | not enough lengths | – |")
+                why = "not enough lengths" if measured else "not measured (--no-memory)"
+                lines.append(f"| {MODEL_LABELS[model]} peak memory ({mode}) {label} in N | {why} | – |")
                 continue
             if expected == 1:
                 met = "yes" if slope <= 1.25 else "**no**"
@@ -216,13 +217,17 @@ def absolute_tables(tables: Tables) -> list[str]:
         for mode in ("forward", "forward_backward"):
             cells = [_seconds(tables.time.get((m, mode, n))) for m in models]
             lines.append(f"| {n} | {mode.replace('_', '+')} | " + " | ".join(cells) + " |")
-    lines += ["", "Peak memory of one step, MiB (CPU: rise of the resident set in a fresh process; GPU: "
-              "max_memory_allocated minus the memory held before):", ""]  # fmt: skip
-    lines += ["| N | step | " + " | ".join(MODEL_LABELS[m] for m in models) + " |", "|" + " --- |" * (len(models) + 2)]
-    for n in tables.seq_lens:
-        for mode in ("forward", "forward_backward"):
-            cells = [_mib(tables.peak.get((m, mode, n))) for m in models]
-            lines.append(f"| {n} | {mode.replace('_', '+')} | " + " | ".join(cells) + " |")
+    if not any(tables.peak.values()):
+        lines += ["", "Peak memory: not measured in this run (--no-memory)."]
+    else:
+        lines += ["", "Peak memory of one step, MiB (CPU: rise of the resident set in a fresh process; GPU: "
+                  "max_memory_allocated minus the memory held before):", ""]  # fmt: skip
+        lines += ["| N | step | " + " | ".join(MODEL_LABELS[m] for m in models) + " |",
+                  "|" + " --- |" * (len(models) + 2)]  # fmt: skip
+        for n in tables.seq_lens:
+            for mode in ("forward", "forward_backward"):
+                cells = [_mib(tables.peak.get((m, mode, n))) for m in models]
+                lines.append(f"| {n} | {mode.replace('_', '+')} | " + " | ".join(cells) + " |")
     lines += ["", "Decode: per-token latency, ms, median [min–max]; cache after the prompt, MiB (of which the integral "
               "state, bytes per layer):", ""]  # fmt: skip
     lines += ["| prompt | " + " | ".join(f"{MODEL_LABELS[m]} latency | {MODEL_LABELS[m]} cache" for m in models) + " |",
@@ -291,7 +296,7 @@ def render_markdown(results: dict) -> str:
             else "."
         ),
         "",
-        f"Model (all four): hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"Model ({', '.join(MODEL_LABELS[m] for m in results['parameters'])}): hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} softmax maps ({config['num_attention_heads'] // 2} differential heads for "
         f"DINT/DiffLlama), {config['num_key_value_heads']} KV heads, head_dim {config['head_dim']}, MLP "
         f"{config['intermediate_size']}, vocab {config['vocab_size']}, batch {settings['batch_size']}; parameters "
@@ -304,7 +309,8 @@ def render_markdown(results: dict) -> str:
         "round-robin, the Python garbage collector off while timing. Forward = no-grad pass over the sequence; "
         "forward+backward = LM loss and backward.",
         "",
-        "Sanity: " + ", ".join(f"{k} = {v:.2e}" for k, v in results["sanity"].items()),
+        "Sanity: "
+        + (", ".join(f"{k} = {v:.2e}" for k, v in results["sanity"].items()) or "not run (needs DINT fast and eager)"),
         "",
         "## Targets",
         "",
