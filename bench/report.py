@@ -92,7 +92,7 @@ def _paired_ratio(samples, other_samples) -> float | None:
 def _ratio(numerator, denominator) -> str:
     if numerator is None or denominator is None or denominator == 0:
         return "–"
-    return f"{numerator / denominator:.2f}"
+    return _format_ratio(numerator / denominator)
 
 
 def _format_ratio(ratio) -> str:

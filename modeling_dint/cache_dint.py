@@ -23,6 +23,20 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 from .configuration_dint import DINT_LAYER_TYPE
 
 
+def _state_at_row(running_state: tuple, row: int) -> tuple:
+    """The state after query row `row` of running values `(query_count [B, T], signal_sum [B, H/2, T, C] or None,
+    column_sums [B, H/2, T, K] or None)`. A row of several is copied: a view would keep the whole running tensor
+    (O(T) per layer, O(T * K) for the column sums) alive in the cache."""
+    rows = []
+    for running, query_dim in zip(running_state, (-1, -2, -2)):
+        if running is None:
+            rows.append(None)
+            continue
+        row_state = running.select(query_dim, row)
+        rows.append(row_state.clone() if running.shape[query_dim] > 1 else row_state)
+    return tuple(rows)
+
+
 class DintIntegralStateMixin:
     """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer."""
 
@@ -59,18 +73,7 @@ class DintIntegralStateMixin:
             if self._recorded_start is None:
                 self._recorded_start = self._snapshot()
             self._recorded_rows.append((running_query_count, running_signal_sum, running_column_sums))
-
-        def last_row(running: torch.Tensor | None, query_dim: int) -> torch.Tensor | None:
-            if running is None:
-                return None
-            # A copy after a call of several rows: a view would keep the whole running tensor (O(T) per layer, and
-            # O(T * K) for the column sums) alive in the cache.
-            row = running.select(query_dim, -1)
-            return row.clone() if running.shape[query_dim] > 1 else row
-
-        self._set_state(
-            last_row(running_query_count, -1), last_row(running_signal_sum, -2), last_row(running_column_sums, -2)
-        )
+        self._set_state(*_state_at_row((running_query_count, running_signal_sum, running_column_sums), -1))
 
     def _set_state(self, query_count, signal_sum, column_sums) -> None:
         self.query_count, self.signal_sum, self.column_sums = query_count, signal_sum, column_sums
@@ -109,16 +112,11 @@ class DintIntegralStateMixin:
                 self._set_state(*self._recorded_start)
             else:
                 kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
-                for query_count, signal_sum, column_sums in self._recorded_rows:
-                    if kept <= query_count.shape[-1]:
+                for chunk in self._recorded_rows:  # (query_count [B, t], signal_sum, column_sums)
+                    if kept <= chunk[0].shape[-1]:
                         break
-                    kept -= query_count.shape[-1]
-                # Copies: a view would keep the whole recorded chunk alive after the recording is dropped.
-                self._set_state(
-                    query_count[:, kept - 1].clone(),
-                    None if signal_sum is None else signal_sum[:, :, kept - 1].clone(),
-                    None if column_sums is None else column_sums[:, :, kept - 1].clone(),
-                )
+                    kept -= chunk[0].shape[-1]
+                self._set_state(*_state_at_row(chunk, kept - 1))
             if self.column_sums is not None:
                 self.column_sums = self.column_sums[..., : self.get_seq_length()]
         self._recorded_rows = []
