@@ -359,6 +359,10 @@ def dint_query_layout(
         else:
             document_start = document_start.clone()
         document_start[:, cu_seq_lens_q[:-1].long()] = True
+    if document_start is not None and query_valid is not None:
+        # Only a valid row starts a document: generate() writes position id 0 on padding, and pads may sit inside a
+        # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
+        document_start = document_start & query_valid.to(document_start.device)
     return query_valid, document_start
 
 
