@@ -46,6 +46,8 @@ class DintIntegralStateMixin:
         self.query_count: torch.Tensor | None = None
         self.signal_sum: torch.Tensor | None = None
         self.column_sums: torch.Tensor | None = None
+        # (integral mode, state name) of the model that filled the layer: None while it holds no token.
+        self.integral_kind: tuple[str, str | None] | None = None
         self.record_past = False
         # Running values of every query row since recording (re)started, as chunks of
         # (query_count [B, t], signal_sum [B, H/2, t, C] or None, column_sums [B, H/2, t, K] or None).
@@ -56,19 +58,55 @@ class DintIntegralStateMixin:
         """Returns `(query_count [B], signal_sum [B, H/2, 2d], column_sums [B, H/2, K])`, each None if never set."""
         return self.query_count, self.signal_sum, self.column_sums
 
-    def update_integral(
-        self,
-        running_query_count: torch.Tensor,
-        running_signal_sum: torch.Tensor | None,
-        running_column_sums: torch.Tensor | None,
-    ) -> None:
-        """Stores the state after the last new query row.
+    def check_integral_kind(self, integral: str, state_name: str | None) -> None:
+        """Refuses, before anything changes, to continue a layer filled by a model that keeps other integral
+        statistics (another integral mode, or the other path), or by a model that keeps none.
 
         Args:
+            integral (`str`): the continuing model's `config.integral`.
+            state_name (`str` or None): the state its path carries: "signal_sum" (fast path), "column_sums"
+                (materializing path), None for integral "none".
+        """
+        if self.integral_kind is None:
+            # A static layer's length can be a tensor (torch.export's buffers): checked on dynamic layers only.
+            if not self.is_compileable and self.get_seq_length() > 0:
+                raise ValueError(
+                    f"This DINT cache layer holds {self.get_seq_length()} tokens but no integral statistics: it was "
+                    f"filled by a model that is not DINT. Start a new cache (`DynamicCache(config=model.config)`)."
+                )
+            return
+        if self.integral_kind != (integral, state_name):
+            raise ValueError(
+                f"This DINT cache was filled by a model with {_describe_integral_kind(*self.integral_kind)}; this "
+                f"model has {_describe_integral_kind(integral, state_name)}, so the integral would cover only the new "
+                "tokens. Continue a cache with the integral mode and attention implementation that filled it, or start "
+                "a new cache."
+            )
+
+    def integral_carry(self, state_name: str) -> torch.Tensor | None:
+        """The sums `[B, H/2, C]` over the current document's rows that this layer carries into a call: "signal_sum"
+        (fast path, C = 2*head_dim) or "column_sums" (materializing path, C = cached keys); None before the first."""
+        return getattr(self, state_name)
+
+    def update_integral(
+        self,
+        integral: str,
+        running_query_count: torch.Tensor | None = None,
+        running_signal_sum: torch.Tensor | None = None,
+        running_column_sums: torch.Tensor | None = None,
+    ) -> None:
+        """Stores the state after the last new query row, and which integral statistics the layer keeps.
+
+        Args:
+            integral (`str`): the model's `config.integral` ("none" keeps no statistics: only the kind is recorded).
             running_query_count (`torch.Tensor` of shape `[B, T]`): running count after each new row (fp32).
             running_signal_sum (`torch.Tensor` of shape `[B, H/2, T, 2d]`, *optional*): running sum of O1.
             running_column_sums (`torch.Tensor` of shape `[B, H/2, T, K]`, *optional*): running column sums of A1.
         """
+        state_name = "signal_sum" if running_signal_sum is not None else "column_sums"
+        self.integral_kind = (integral, None if integral == "none" else state_name)
+        if integral == "none":
+            return
         if self.record_past:
             if self._recorded_start is None:
                 self._recorded_start = self._snapshot()
@@ -96,31 +134,44 @@ class DintIntegralStateMixin:
         """Records the running state of every new query row, so that `crop(-n)` can roll the integral back."""
         self.record_past = True
 
-    def _crop_integral(self, tokens_to_remove: int) -> None:
-        """Rolls the integral state back by `-tokens_to_remove` query rows, then restarts the recording (as
-        transformers' linear-attention layers do, the recorded rows are dropped after each `crop`)."""
+    def _integral_after_crop(self, tokens_to_remove: int) -> tuple | None:
+        """The integral state `-tokens_to_remove` query rows back (None: unchanged), computed without changing the
+        layer, so that a refused crop changes nothing. Raises where the rows were not recorded."""
         rows_to_remove = -tokens_to_remove
-        if rows_to_remove > 0:
-            recorded = sum(rows[0].shape[-1] for rows in self._recorded_rows)
-            if not self.record_past or rows_to_remove > recorded:
-                raise ValueError(
-                    f"Cannot crop {rows_to_remove} tokens from a DINT cache layer: its integral statistics can be "
-                    f"rolled back only over the {recorded} tokens recorded since `activate_past_recording()` or the "
-                    f"last `crop` (record_past={self.record_past}). Rolling back further would give a wrong state."
-                )
-            if rows_to_remove == recorded:
-                self._set_state(*self._recorded_start)
-            else:
-                kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
-                for chunk in self._recorded_rows:  # (query_count [B, t], signal_sum, column_sums)
-                    if kept <= chunk[0].shape[-1]:
-                        break
-                    kept -= chunk[0].shape[-1]
-                self._set_state(*_state_at_row(chunk, kept - 1))
+        if rows_to_remove <= 0 or self.integral_kind is None or self.integral_kind[1] is None:
+            return None
+        recorded = sum(rows[0].shape[-1] for rows in self._recorded_rows)
+        if not self.record_past or rows_to_remove > recorded:
+            raise ValueError(
+                f"Cannot crop {rows_to_remove} tokens from a DINT cache layer: its integral statistics can be "
+                f"rolled back only over the {recorded} tokens recorded since `activate_past_recording()` or the "
+                f"last `crop` (record_past={self.record_past}). Rolling back further would give a wrong state; "
+                "the cache is left as it was."
+            )
+        if rows_to_remove == recorded:
+            return self._recorded_start
+        kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
+        for chunk in self._recorded_rows:  # (query_count [B, t], signal_sum, column_sums)
+            if kept <= chunk[0].shape[-1]:
+                break
+            kept -= chunk[0].shape[-1]
+        return _state_at_row(chunk, kept - 1)
+
+    def _crop_integral(self, state_after_crop: tuple | None) -> None:
+        """Sets the state `_integral_after_crop` computed (after the keys and values were cropped), then restarts the
+        recording (as transformers' linear-attention layers do, the recorded rows are dropped after each `crop`)."""
+        if state_after_crop is not None:
+            self._set_state(*state_after_crop)
             if self.column_sums is not None:
                 self.column_sums = self.column_sums[..., : self.get_seq_length()]
         self._recorded_rows = []
         self._recorded_start = None
+
+
+def _describe_integral_kind(integral: str, state_name: str | None) -> str:
+    path = {"signal_sum": "the fast path", "column_sums": "the materializing path (eager attention or integral "
+            "'softmax')", None: "no integral statistics"}[state_name]
+    return f"integral={integral!r} ({path})"
 
 
 class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
@@ -146,8 +197,9 @@ class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
                 f"`crop` takes 0 or a negative number of tokens to remove, got {tokens_to_remove} (the legacy "
                 "absolute length is not supported by DINT cache layers)."
             )
+        state_after_crop = self._integral_after_crop(tokens_to_remove)  # raises before anything is cropped
         super().crop(tokens_to_remove)
-        self._crop_integral(tokens_to_remove)
+        self._crop_integral(state_after_crop)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -194,6 +246,7 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
         for state in self.integral_state():
             if state is not None:
                 state.zero_()
+        self.integral_kind = None
         self.record_past = False
         self._recorded_rows = []
         self._recorded_start = None

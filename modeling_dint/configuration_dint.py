@@ -176,8 +176,8 @@ class DintConfig(PreTrainedConfig):
                 f"`lambda_init` must be None (the depth schedule 0.8 - 0.6*exp(-0.3*layer)) or a float in (0, 1), "
                 f"got {self.lambda_init!r}."
             )
-        if self.lambda_std_dev < 0:
-            raise ValueError(f"`lambda_std_dev` must be >= 0, got {self.lambda_std_dev!r}.")
+        if not math.isfinite(self.lambda_std_dev) or self.lambda_std_dev < 0:
+            raise ValueError(f"`lambda_std_dev` must be a finite number >= 0, got {self.lambda_std_dev!r}.")
         if self.attention_dropout:
             raise ValueError(
                 f"`attention_dropout` must be 0: neither the DIFF nor the DINT paper defines dropout on the combined "

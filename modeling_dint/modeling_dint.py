@@ -47,7 +47,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401  (importing registers the cache layers)
-from .configuration_dint import DintConfig
+from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 
 
 logger = logging.get_logger(__name__)
@@ -339,17 +339,37 @@ def dint_query_layout(
         bool, or None without `position_ids` and `cu_seq_lens_q`: no row starts a document, each continues the
         cache's document or, without a cache, starts the sequence).
     """
+    query_valid = valid_query_rows(attention_mask, batch_size, query_length)
+    return query_valid, document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
+
+
+def valid_query_rows(
+    attention_mask: torch.Tensor | None, batch_size: int, query_length: int
+) -> torch.Tensor | None:
+    """The query rows that are not padding, `[B, T]` bool (None without a mask: every row counts), from a 2D padding
+    mask `[B, past + T]` or a 4D mask `[B, 1, T, K]` (bool, or float with 0 where attention is allowed; a row with
+    no allowed key is not valid)."""
+    if attention_mask is None:
+        return None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        query_valid = attention_mask[:, -query_length:].bool()
-    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        return attention_mask[:, -query_length:].bool()
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        query_valid = allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)
-    elif attention_mask is None:
-        query_valid = None
-    else:
-        raise TypeError(
-            f"DINT derives the valid query rows from a 2D or 4D tensor `attention_mask`, got {type(attention_mask)}."
-        )
+        return allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)
+    raise TypeError(
+        f"DINT derives the valid query rows from a 2D or 4D tensor `attention_mask`, got {type(attention_mask)}."
+    )
+
+
+def document_starts(
+    query_valid: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch_size: int,
+    query_length: int,
+    cu_seq_lens_q: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The valid query rows that start a document, `[B, T]` bool: a position id 0 (packed sequences restart positions
+    at 0) or a flash-attention packing offset `cu_seq_lens_q`. None without either: no row starts a document."""
     document_start = None
     if position_ids is not None:
         document_start = (position_ids == 0).expand(batch_size, query_length)
@@ -363,7 +383,64 @@ def dint_query_layout(
         # Only a valid row starts a document: generate() writes position id 0 on padding, and pads may sit inside a
         # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
         document_start = document_start & query_valid.to(document_start.device)
-    return query_valid, document_start
+    return document_start
+
+
+DINT_QUERY_VALID_KEY = "dint_query_valid"
+"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
+mask, which is keyed by the layer type."""
+
+
+def create_dint_masks(
+    config: DintConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.Tensor,
+) -> dict[str, torch.Tensor | None]:
+    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
+    (`DintForCausalLM.create_masks_for_generate`), so that a compiled decoding step receives tensors of fixed shapes
+    instead of a 2D padding mask that grows by one column per token.
+
+    Args:
+        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
+        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
+        past_key_values (`Cache`, *optional*): the cache this forward continues.
+        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
+
+    Returns:
+        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
+        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
+    """
+    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
+    # their block-diagonal mask even when `use_cache` created a cache.
+    mask_cache = past_key_values
+    if past_key_values is not None and not past_key_values.is_compileable and past_key_values.get_seq_length() == 0:
+        mask_cache = None
+    materializing = uses_materializing_path(config)
+    causal_mask = create_causal_mask(
+        config=_DenseMaskConfig() if materializing else config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        past_key_values=mask_cache,
+        position_ids=position_ids,
+        allow_is_causal_skip=not materializing,
+    )
+    if materializing and causal_mask.dtype != torch.bool:
+        causal_mask = causal_mask == 0
+    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
+    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
+    # integral reads the caller's.
+    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
+    batch_size, query_length = inputs_embeds.shape[:2]
+    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
+    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
+
+
+def uses_materializing_path(config: DintConfig) -> bool:
+    """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
+    needs G itself) instead of the fast path's running mean of the signal outputs."""
+    return config._attn_implementation == "eager" or config.integral == "softmax"
 
 
 class _DenseMaskConfig:
@@ -449,7 +526,7 @@ class DintAttention(nn.Module):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
             cache_layer = past_key_values.layers[self.layer_idx]
 
-        if self.config._attn_implementation == "eager" or self.integral == "softmax":
+        if uses_materializing_path(self.config):
             attn_output, attn_weights = self._materialized_attention(
                 query_states, key_states, value_states, attention_mask, integral_layout, cache_layer
             )
@@ -485,14 +562,17 @@ class DintAttention(nn.Module):
         signal_output, noise_output = torch.chunk(torch.cat([attn_output1, attn_output2], dim=-1), 2, dim=2)
         lambda_full = self.lambda_full()
         if self.integral == "none":
+            if cache_layer is not None:
+                cache_layer.update_integral("none")
             return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document ---
-        running_signal_sum = segmented_running_sum(
-            signal_output, integral_layout, _integral_carry(cache_layer, "signal_sum")
-        )  # [B, T, H/2, 2d], fp32
+        carry = cache_layer.integral_carry("signal_sum") if cache_layer is not None else None
+        running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
         if cache_layer is not None:
-            cache_layer.update_integral(integral_layout.running_query_count, running_signal_sum.transpose(1, 2), None)
+            cache_layer.update_integral(
+                self.integral, integral_layout.running_query_count, running_signal_sum.transpose(1, 2)
+            )
         # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
         noise_minus_integral = torch.addcmul(
             noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1
@@ -519,10 +599,11 @@ class DintAttention(nn.Module):
             self.integral,
             integral_layout,
             key_mask,
-            _integral_carry(cache_layer, "column_sums"),
+            cache_layer.integral_carry("column_sums") if cache_layer is not None else None,
         )
-        if cache_layer is not None and running_column_sums is not None:
-            cache_layer.update_integral(integral_layout.running_query_count, None, running_column_sums)
+        if cache_layer is not None:
+            running_query_count = integral_layout.running_query_count if integral_layout is not None else None
+            cache_layer.update_integral(self.integral, running_query_count, running_column_sums=running_column_sums)
 
         # Value channels of differential head j: [V half 1 | V half 2] of its KV head, [B, H/2, K, 2d]
         value_first_half, value_second_half = torch.chunk(value_states, 2, dim=1)
@@ -533,22 +614,6 @@ class DintAttention(nn.Module):
 
 def _unsupported_eager_interface(*args, **kwargs):
     raise RuntimeError("DINT's eager attention is the materializing path; it never goes through an interface.")
-
-
-def _integral_carry(cache_layer, state_name: str) -> torch.Tensor | None:
-    """The sums `[B, H/2, C]` a DINT cache layer carries into this call, or None without a cache or before its first
-    update. `state_name` is "signal_sum" (fast path) or "column_sums" (materializing path)."""
-    if cache_layer is None or cache_layer.query_count is None:
-        return None
-    state = getattr(cache_layer, state_name)
-    if state is None:
-        other_path = "the fast path" if state_name == "column_sums" else "the materializing path"
-        raise RuntimeError(
-            f"This DINT cache was filled by {other_path}, which keeps no `{state_name}`: continue it with the same "
-            f"attn_implementation and integral mode that filled it (eager attention and integral='softmax' use the "
-            f"materializing path; other backends the fast path)."
-        )
-    return state
 
 
 class DintDecoderLayer(GradientCheckpointingLayer):
@@ -616,13 +681,18 @@ class DintPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    _keep_in_fp32_modules = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
-    # `_keep_in_fp32_modules` acts on fp16 loads only; the strict list also keeps them fp32 in bf16 loads.
+    # The strict list keeps the lambda vectors fp32 in fp16 and bf16 loads (the plain list acts on fp16 only; a module
+    # may be in one list only).
     _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
         "attentions": DintAttention,
     }
+
+    def __init__(self, config: DintConfig, *inputs, **kwargs):
+        # A config changed after construction (`config.integral = "sofmax"`) is validated again before it builds a model.
+        config.validate()
+        super().__init__(config, *inputs, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -687,40 +757,21 @@ class DintModel(DintPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0)
-        # get their block-diagonal mask even when `use_cache` created a cache.
-        mask_cache = past_key_values
-        if past_key_values is not None and not past_key_values.is_compileable and past_seen_tokens == 0:
-            mask_cache = None
-        materializing = self.config._attn_implementation == "eager" or self.config.integral == "softmax"
-        causal_mask = create_causal_mask(
-            config=_DenseMaskConfig() if materializing else self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=mask_cache,
-            position_ids=position_ids,
-            allow_is_causal_skip=not materializing,
-        )
-        if materializing and causal_mask.dtype != torch.bool:
-            causal_mask = causal_mask == 0
+        if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
+            masks = attention_mask  # prepared by generate() (create_masks_for_generate) for a compiled step
+        else:
+            masks = create_dint_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
+        causal_mask = masks[DINT_LAYER_TYPE]
 
         integral_layout = None
         if self.config.integral != "none":
-            # For a backend with a mask function, transformers returns no mask only where no key, hence no query row,
-            # of this call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself,
-            # so the integral reads the caller's. Without position ids of the caller's, no row after row 0 starts a
-            # document, and row 0 continues the cache's document if the cache holds tokens (a static cache rewound
-            # to 0, as ExecuTorch's recipe does, restarts).
-            mask_tells_padding = (
-                causal_mask is not None or self.config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
-            )
+            # Without position ids of the caller's, no row after row 0 starts a document, and row 0 continues the
+            # cache's document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does,
+            # restarts).
             batch_size, query_length = inputs_embeds.shape[:2]
-            query_valid, document_start = dint_query_layout(
-                attention_mask if mask_tells_padding else None,
-                given_position_ids,
-                batch_size,
-                query_length,
-                kwargs.get("cu_seq_lens_q"),
+            query_valid = masks[DINT_QUERY_VALID_KEY]
+            document_start = document_starts(
+                query_valid, given_position_ids, batch_size, query_length, kwargs.get("cu_seq_lens_q")
             )
             past_query_count = past_key_values.layers[0].query_count if past_key_values is not None else None
             integral_layout = DintIntegralLayout.build(
@@ -756,19 +807,27 @@ class DintModel(DintPreTrainedModel):
 
 
 def check_dint_cache(past_key_values: Cache, config: DintConfig) -> None:
-    """Fails early, with the fix, when a cache has no DINT integral statistics (e.g. a bare `DynamicCache()`)."""
+    """Fails early, with the fix, when a cache cannot carry this model's integral statistics: it has none (e.g. a
+    bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another integral mode or
+    path. Nothing in the cache changes."""
     layers = getattr(past_key_values, "layers", None)
-    if (
-        layers is None
-        or len(layers) < config.num_hidden_layers
-        or not all(getattr(layer, "is_dint_layer", False) for layer in layers[: config.num_hidden_layers])
-    ):
+    if layers is None or not all(getattr(layer, "is_dint_layer", False) for layer in layers):
         raise ValueError(
             f"DINT needs its integral statistics in the cache, and this {type(past_key_values).__name__} has none "
             f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
             "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
             "the model / generate() create it."
         )
+    if len(layers) < config.num_hidden_layers:
+        raise ValueError(
+            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
+            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
+        )
+    state_name = None
+    if config.integral != "none":
+        state_name = "column_sums" if uses_materializing_path(config) else "signal_sum"
+    for layer in layers[: config.num_hidden_layers]:
+        layer.check_integral_kind(config.integral, state_name)
 
 
 @auto_docstring
@@ -784,6 +843,22 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
         self.post_init()
+
+    def create_masks_for_generate(
+        self,
+        config: DintConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> dict[str, torch.Tensor | None]:
+        """What generate() calls, for a compileable (static) cache, to build the step's masks before the forward: the
+        DINT masks (`create_dint_masks`), whose shapes do not change from one decoding step to the next."""
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
+        return create_dint_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
     @can_return_tuple
     @auto_docstring

@@ -1,0 +1,120 @@
+"""transformers' model contract, written down where DINT relies on it: what transformers' own common model tests
+(`ModelTesterMixin`, `GenerationTesterMixin`) check of every built-in model, and compiled decoding."""
+
+import pytest
+import torch
+import torch._dynamo
+from dint_testing import left_padded_batch, tiny_config, tiny_model
+from transformers import AutoConfig, CompileConfig
+
+from modeling_dint import (
+    DintConfig,
+    DintForCausalLM,
+    DintForQuestionAnswering,
+    DintForSequenceClassification,
+    DintForTokenClassification,
+    DintModel,
+)
+
+
+MODEL_CLASSES = [DintModel, DintForCausalLM, DintForSequenceClassification, DintForTokenClassification,
+                 DintForQuestionAnswering]
+LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+# --- compiled decoding ---
+
+
+@pytest.mark.parametrize("integral", ["mean", "softmax"])
+def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral, monkeypatch):
+    """generate() with a static cache and a compile config compiles the decode step once for the whole generation
+    (a padded batch, so that the 2D mask grows every step): any recompilation raises."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    model = tiny_model(integral=integral)
+    input_ids, attention_mask = left_padded_batch(lengths=(8, 5))
+    attention_mask[1, -3] = 0  # and a pad inside a row
+    generate_kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    expected = model.generate(input_ids, cache_implementation="static", **generate_kwargs)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # generate() auto-compiles on accelerators only unless told
+    torch._dynamo.utils.counters.clear()
+    output = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **generate_kwargs)
+    assert hasattr(model, "_compiled_call"), "generate() did not compile the forward"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the decode step (prefill runs eagerly)
+    assert torch.equal(output, expected)
+
+
+# --- dtypes: the lambda vectors stay fp32 ---
+
+
+def test_keep_in_fp32_modules_lists_are_disjoint():
+    """transformers' `test_keep_in_fp32_modules` requires a module to be in one list only."""
+    for model_class in MODEL_CLASSES:
+        model = model_class(tiny_config())
+        assert not (model._keep_in_fp32_modules & model._keep_in_fp32_modules_strict), model_class.__name__
+        assert set(LAMBDA_VECTORS) <= model._keep_in_fp32_modules_strict
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lambda_vectors_stay_fp32_in_half_precision_loads(tmp_path, dtype):
+    DintForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    model = DintForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    for name, parameter in model.named_parameters():
+        expected = torch.float32 if name.split(".")[-1] in LAMBDA_VECTORS else dtype
+        assert parameter.dtype == expected, name
+
+
+# --- configuration ---
+
+
+def test_config_round_trips(tmp_path):
+    config = tiny_config(integral="softmax", lambda_init=0.5, head_norm_affine=False)
+    assert DintConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    config.save_pretrained(tmp_path)
+    for reloaded in (DintConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert type(reloaded) is DintConfig
+        saved, loaded = config.to_dict(), reloaded.to_dict()
+        saved.pop("_name_or_path"), loaded.pop("_name_or_path")  # where it was loaded from
+        assert loaded == saved
+        assert reloaded.layer_types == config.layer_types
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_lambda_std_dev_is_refused(value):
+    with pytest.raises(Exception, match="lambda_std_dev"):
+        tiny_config(lambda_std_dev=value)
+
+
+@pytest.mark.parametrize("model_class", MODEL_CLASSES)
+def test_a_config_changed_after_construction_is_validated_when_a_model_is_built(model_class):
+    config = tiny_config()
+    config.integral = "sofmax"
+    with pytest.raises(Exception, match="`integral` must be one of"):
+        model_class(config)
+
+
+# --- outputs ---
+
+
+def test_output_shapes():
+    config = tiny_config()
+    batch_size, length = 2, 7
+    input_ids = torch.randint(2, config.vocab_size, (batch_size, length))
+    model = tiny_model("eager")
+    with torch.no_grad():
+        output = model(input_ids, output_hidden_states=True, output_attentions=True, use_cache=True)
+        last_logits = model(input_ids, logits_to_keep=1).logits
+    assert output.logits.shape == (batch_size, length, config.vocab_size)
+    assert last_logits.shape == (batch_size, 1, config.vocab_size)
+    torch.testing.assert_close(last_logits[:, 0], output.logits[:, -1], atol=1e-5, rtol=1e-5)
+    assert len(output.hidden_states) == config.num_hidden_layers + 1
+    assert all(state.shape == (batch_size, length, config.hidden_size) for state in output.hidden_states)
+    assert len(output.attentions) == config.num_hidden_layers
+    assert all(maps.shape == (batch_size, config.num_attention_heads, length, length) for maps in output.attentions)
+    cache = output.past_key_values
+    assert len(cache.layers) == config.num_hidden_layers and cache.get_seq_length() == length
+    key_shape = (batch_size, config.num_key_value_heads, length, config.head_dim)
+    assert all(layer.keys.shape == key_shape and layer.values.shape == key_shape for layer in cache.layers)
+    as_tuple = model(input_ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], output.logits)
