@@ -137,7 +137,7 @@ def convert_checkpoint(
     if plan.config.tie_word_embeddings:
         expected_shapes.pop("lm_head.weight", None)
     _check_names(plan, expected_shapes)
-    keep_in_fp32 = tuple(getattr(plan.model_class, "_keep_in_fp32_modules", None) or ())
+    keep_in_fp32 = tuple(getattr(plan.model_class, "_keep_in_fp32_modules_strict", None) or ())
     with atomic_output_dir(output_dir, force=force) as staging:
         # Config, generation config and (for DINT) the remote-code files, exactly as `save_pretrained` writes them;
         # first, because `save_pretrained` removes weight files it did not write itself.

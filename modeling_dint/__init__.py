@@ -18,17 +18,14 @@ from transformers import (
 from .cache_dint import DintDynamicLayer, DintStaticLayer
 from .configuration_dint import DintConfig, preset_names
 from .hub import dint_model_card, push_dint_to_hub, save_dint_for_hub
+from .integral_dint import DintIntegralLayout, compose_final_attention, dint_attention_map, segmented_running_sum
 from .modeling_dint import (
     DintForCausalLM,
     DintForQuestionAnswering,
     DintForSequenceClassification,
     DintForTokenClassification,
-    DintIntegralLayout,
     DintModel,
     DintPreTrainedModel,
-    compose_final_attention,
-    dint_attention_map,
-    segmented_running_sum,
 )
 
 

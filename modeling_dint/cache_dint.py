@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .configuration_dint import DINT_LAYER_TYPE
+from .integral_dint import uses_materializing_path
 
 
 def _state_at_row(running_state: tuple, row: int) -> tuple:
@@ -38,9 +39,9 @@ def _state_at_row(running_state: tuple, row: int) -> tuple:
 
 
 class DintIntegralStateMixin:
-    """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer."""
-
-    is_dint_layer = True
+    """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer. The model reads
+    and writes them through methods only: `check_integral_kind`, `past_query_count`, `integral_carry`,
+    `update_integral`."""
 
     def _init_integral_state(self) -> None:
         self.query_count: torch.Tensor | None = None
@@ -82,6 +83,10 @@ class DintIntegralStateMixin:
                 "tokens. Continue a cache with the integral mode and attention implementation that filled it, or start "
                 "a new cache."
             )
+
+    def past_query_count(self) -> torch.Tensor | None:
+        """The count `[B]` (fp32) of valid query rows of each batch row's current document; None before the first."""
+        return self.query_count
 
     def integral_carry(self, state_name: str) -> torch.Tensor | None:
         """The sums `[B, H/2, C]` over the current document's rows that this layer carries into a call: "signal_sum"
@@ -258,4 +263,28 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
                 state.copy_(state.index_select(0, beam_idx.to(state.device)))
 
 
-__all__ = ["DintDynamicLayer", "DintStaticLayer", "DintIntegralStateMixin"]
+def check_dint_cache(past_key_values, config) -> None:
+    """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
+    none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
+    integral mode or path. Nothing in the cache changes."""
+    layers = getattr(past_key_values, "layers", None)
+    if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
+        raise ValueError(
+            f"DINT needs its integral statistics in the cache, and this {type(past_key_values).__name__} has none "
+            f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
+            "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
+            "the model / generate() create it."
+        )
+    if len(layers) < config.num_hidden_layers:
+        raise ValueError(
+            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
+            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
+        )
+    state_name = None
+    if config.integral != "none":
+        state_name = "column_sums" if uses_materializing_path(config) else "signal_sum"
+    for layer in layers[: config.num_hidden_layers]:
+        layer.check_integral_kind(config.integral, state_name)
+
+
+__all__ = ["DintDynamicLayer", "DintStaticLayer", "DintIntegralStateMixin", "check_dint_cache"]

@@ -1,5 +1,5 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""PyTorch DINT Transformer (Cang et al., 2025, arXiv 2501.17486), in the house style of transformers' Llama.
+"""PyTorch DINT Transformer (Cang et al., 2025, arXiv 2501.17486): transformers' Llama with DINT attention.
 
 Per layer and differential head j (the head layout is DiffLlama's: `num_attention_heads` = H softmax maps, the first
 H/2 are signal maps A1 and the last H/2 noise maps A2; each differential head reads 2*head_dim value channels):
@@ -8,18 +8,13 @@ H/2 are signal maps A1 and the last H/2 noise maps A2; each differential head re
     head_j  = RMSNorm(A_final V_j)            (no (1 - lambda_init) factor)
     lambda  = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init   (fp32, one per layer)
 
-Every row of G sums to 1 and G is causal, so every row of A_final sums to 1. Since V does not depend on the query
-row, `G V` is the running mean over query rows of the signal output `O1 = A1 V`: the fast path computes O1 and O2
-with any attention backend of transformers and adds `lambda * running_mean(O1)`, at O(N d) extra cost and O(N)
-memory. The materializing path (eager attention, or integral "softmax", which needs G itself) builds A1, A2, G and
-A_final as the paper writes them; it is the reference the fast path is tested against.
+Everything else is Llama's (pre-RMSNorm decoder layers, SwiGLU MLP, RoPE, the LM head), inherited. The integral's
+math (the fast path's running mean, the materializing reference, where documents restart) is in `integral_dint.py`,
+its state between calls in the cache layers of `cache_dint.py`.
 
 This file is copied next to the weights by `save_pretrained` (remote code): it imports nothing but torch,
 transformers and its sibling files.
 """
-
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -33,43 +28,36 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
     GradientCheckpointingLayer,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
     LlamaMLP,
+    LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     repeat_kv,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401  (importing registers the cache layers)
+from .cache_dint import check_dint_cache
 from .configuration_dint import DINT_LAYER_TYPE, DintConfig
+from .integral_dint import (
+    DintIntegralLayout,
+    compose_final_attention,
+    document_starts,
+    segmented_running_sum,
+    uses_materializing_path,
+    valid_query_rows,
+)
 
 
-logger = logging.get_logger(__name__)
-
-
-class DintRMSNorm(nn.Module):
-    """RMSNorm computed in fp32, as Llama's (the decoder layers' norms and the final norm)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+class DintRMSNorm(LlamaRMSNorm):
+    pass
 
 
 class DintHeadRMSNorm(nn.RMSNorm):
@@ -90,300 +78,6 @@ class DintRotaryEmbedding(LlamaRotaryEmbedding):
 
 class DintMLP(LlamaMLP):
     pass
-
-
-@dataclass
-class DintIntegralLayout:
-    """Where the integral's running mean counts and restarts over the T query rows of one forward pass.
-
-    It depends on the inputs only, so `DintModel.forward` builds it once (`DintIntegralLayout.build`) for all layers.
-    A field that is None stands for a case known without reading tensor values, and the work it would cost is skipped.
-
-    Attributes:
-        query_valid (`torch.Tensor` of shape `[B, T]`, bool, or None when every row counts): the rows that are not
-            padding.
-        restart_row (`torch.Tensor` of shape `[B, T]`, long, or None when no document starts after row 0): the row of
-            this call where row n's document starts (0 for the rows of a document that started before this call).
-        in_carried_document (`torch.Tensor` of shape `[B, T]`, bool, or None with `restart_row`): the rows whose
-            document started before this call, into which the cache's sums carry.
-        carry_kept (`bool`, or a bool `torch.Tensor` of shape `[B]` or `[]`): for a call with no `restart_row`,
-            whether row 0 continues the cache's document, so that the cache's sums carry into the call (False where
-            row 0 starts a document: a position id 0).
-        running_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `c_n`, the valid rows m <= n of row n's
-            document, the cache's count included.
-        inverse_query_count (`torch.Tensor` of shape `[B, T, 1, 1]`, fp32, broadcastable against the fast path's
-            `[B, T, H/2, 2d]`): `1 / max(c_n, 1)` (a document with no valid row yet has G = 0).
-    """
-
-    query_valid: torch.Tensor | None = None
-    restart_row: torch.Tensor | None = None
-    in_carried_document: torch.Tensor | None = None
-    carry_kept: torch.Tensor | bool = True
-    running_query_count: torch.Tensor | None = None
-    inverse_query_count: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        query_valid: torch.Tensor | None,
-        document_start: torch.Tensor | None,
-        past_query_count: torch.Tensor | None,
-        batch_size: int,
-        query_length: int,
-        device: torch.device,
-        continues_cache: torch.Tensor | bool = True,
-    ) -> "DintIntegralLayout":
-        """
-        Args:
-            query_valid, document_start: from `dint_query_layout`.
-            past_query_count (`torch.Tensor` of shape `[B]`, *optional*): the cache's count of valid rows of the
-                current document of each batch row.
-            continues_cache (`bool` or bool `torch.Tensor`): without `document_start`, whether row 0 continues the
-                cache's document (without a caller's position ids: whether the cache holds tokens).
-        """
-        if not isinstance(continues_cache, torch.Tensor):
-            continues_cache = bool(continues_cache)  # the checks below test identity with True / False
-        if query_valid is not None:
-            query_valid = query_valid.to(device)  # a padding mask may come on another device, as for Llama
-        if document_start is not None:
-            document_start = document_start.to(device)
-        layout = cls(query_valid=query_valid, carry_kept=continues_cache)
-        if document_start is not None and query_length == 1:
-            layout.carry_kept = ~document_start[:, 0]
-        elif document_start is not None:
-            row_index = torch.arange(query_length, device=document_start.device)
-            start_index = torch.where(document_start, row_index, -1).cummax(dim=-1).values
-            layout.restart_row, layout.in_carried_document = start_index.clamp(min=0), start_index < 0
-        rows = torch.ones(batch_size, query_length, device=device)
-        layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
-        layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None]
-        return layout
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "DintIntegralLayout":
-        """The layout with its tensors on `device`. Accelerate's hooks call it to move a layer's arguments to the
-        layer's device when a model is split over devices (`device_map`)."""
-        moved = {}
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, torch.Tensor):
-                moved[field.name] = value.to(device, non_blocking=non_blocking)
-        return replace(self, **moved)
-
-
-def _cumsum_over_rows(rows: torch.Tensor, query_dim: int, scan_rows_last: bool | None = None) -> torch.Tensor:
-    """fp32 inclusive cumulative sum of `rows` over dimension `query_dim`.
-
-    CPUs scan the dimension in place (the fastest there, forward and backward). CUDA scans a dimension that is not the
-    last one a step at a time per column (12 ms against 0.55 ms per layer at 32K tokens on an H100, bench/README.md),
-    so elsewhere (`scan_rows_last`, default: not on CPU) the scan runs over an fp32 copy with the rows last.
-    """
-    if rows.shape[query_dim] == 1:
-        return rows.float()
-    if scan_rows_last is None:
-        scan_rows_last = rows.device.type != "cpu"
-    if not scan_rows_last:
-        # Cast, then scan: `cumsum(dtype=torch.float32)` would run its backward scan in the input's dtype (bf16).
-        return rows.float().cumsum(query_dim)
-    rows_last = rows.movedim(query_dim, -1).to(torch.float32, memory_format=torch.contiguous_format)
-    return rows_last.cumsum(-1).movedim(-1, query_dim)
-
-
-def segmented_running_sum(
-    rows: torch.Tensor,
-    layout: DintIntegralLayout,
-    carry: torch.Tensor | None = None,
-    query_dim: int = 1,
-) -> torch.Tensor:
-    """Inclusive running sum over the query rows of `rows`, in fp32, counting valid rows only and restarting at each
-    document start.
-
-    Args:
-        rows (`torch.Tensor`): one value per query row along `query_dim`: the fast path's signal outputs
-            `[B, T, H/2, 2d]` (query_dim 1), the signal maps `[B, H/2, T, K]` (query_dim 2), or `[B, T]`.
-        layout (`DintIntegralLayout`): which rows count and where documents start.
-        carry (`torch.Tensor`, *optional*): `rows`' shape without the query dimension: the sum over the rows of the
-            current document before this call (from the cache).
-
-    Returns:
-        `torch.Tensor` of `rows`' shape, fp32: row n holds the sum of the valid rows m <= n of n's document.
-    """
-
-    def along_rows(per_row: torch.Tensor) -> torch.Tensor:  # [B, T] -> broadcastable against `rows`
-        return per_row.view(per_row.shape[0], *[1] * (query_dim - 1), per_row.shape[1], *[1] * (rows.dim() - query_dim - 1))
-
-    if layout.query_valid is not None:
-        # `where`, never a product: a padding row may hold anything, NaN included.
-        rows = torch.where(along_rows(layout.query_valid), rows, 0.0)
-    totals = _cumsum_over_rows(rows, query_dim)
-    if carry is not None:
-        carry = carry.float().unsqueeze(query_dim)
-    if layout.restart_row is None:  # no document starts after row 0
-        if carry is None or layout.carry_kept is False:
-            return totals
-        if layout.carry_kept is not True:
-            carry = torch.where(layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)), carry, 0.0)
-        return totals + carry
-    # A row of a document that started in this call subtracts the sum before that document's first row; a row of the
-    # document that started before adds the carry.
-    sum_before_restart = (totals - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
-    carried = 0.0 if carry is None else -carry
-    return totals - torch.where(along_rows(layout.in_carried_document), carried, sum_before_restart)
-
-
-def compose_final_attention(
-    signal_weights: torch.Tensor,
-    noise_weights: torch.Tensor,
-    lambda_full: torch.Tensor,
-    integral: str,
-    layout: DintIntegralLayout | None,
-    key_valid: torch.Tensor,
-    past_column_sums: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The DINT map `A_final = A1 - lambda * A2 + lambda * G` (`G` itself, or its softmax for integral "softmax").
-
-    Args:
-        signal_weights, noise_weights (`torch.Tensor` of shape `[B, H/2, T, K]`): the maps A1 and A2.
-        lambda_full (`torch.Tensor`, scalar): the layer's lambda.
-        integral (`str`): "mean", "softmax" or "none".
-        layout (`DintIntegralLayout`): which query rows count and where documents start (unused for "none").
-        key_valid (`torch.Tensor` broadcastable to `[B, 1, T, K]`, bool): the keys each row may attend to (the
-            support of the "softmax" integral's softmax).
-        past_column_sums (`torch.Tensor` of shape `[B, H/2, K']`, *optional*): the summed signal maps of the current
-            document's rows before this call (from the cache); `K' <= K`, keys cached since count as 0.
-
-    Returns:
-        final_weights (`[B, H/2, T, K]`, fp32) and running_column_sums (`[B, H/2, T, K]`, fp32, None for "none"),
-        what the cache keeps.
-    """
-    lambda_full = lambda_full.float()
-    signal_weights, noise_weights = signal_weights.float(), noise_weights.float()
-    if integral == "none":
-        return signal_weights - lambda_full * noise_weights, None
-    if past_column_sums is not None:
-        past_column_sums = nn.functional.pad(past_column_sums, (0, signal_weights.shape[-1] - past_column_sums.shape[-1]))
-    running_column_sums = segmented_running_sum(signal_weights, layout, past_column_sums, query_dim=2)
-    integral_weights = running_column_sums * layout.inverse_query_count.transpose(1, 2)  # [B, 1, T, 1]
-    if integral == "softmax":
-        key_valid = key_valid.expand_as(integral_weights)
-        integral_weights = integral_weights.masked_fill(~key_valid, torch.finfo(torch.float32).min).softmax(dim=-1)
-        integral_weights = torch.where(key_valid.any(dim=-1, keepdim=True), integral_weights, 0.0)
-    final_weights = signal_weights - lambda_full * noise_weights + lambda_full * integral_weights
-    return final_weights, running_column_sums
-
-
-def dint_attention_map(
-    attentions: torch.Tensor,
-    lambda_full: torch.Tensor | float,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    integral: str = "mean",
-) -> torch.Tensor:
-    """A_final per differential head, from the maps a DINT model returns with `output_attentions=True` (eager).
-
-    Args:
-        attentions (`torch.Tensor` of shape `[B, H, T, T]`): one layer's maps, the H/2 signal maps then the H/2 noise
-            maps (as DiffLlama returns them), over a whole sequence (no cache).
-        lambda_full (`torch.Tensor` or `float`): the layer's lambda, `model.model.layers[i].self_attn.lambda_full()`.
-        attention_mask (`torch.Tensor` of shape `[B, T]`, *optional*): the 2D padding mask (1 = token, 0 = padding).
-        position_ids (`torch.Tensor` of shape `[B, T]`, *optional*): positions restarting at 0 start a new document
-            (packed sequences); by default one document per row.
-        integral (`str`): the model's `config.integral`.
-
-    Returns:
-        `torch.Tensor` of shape `[B, H/2, T, T]`, fp32: A_final; every valid row sums to 1.
-
-    ```python
-    >>> outputs = model(input_ids, attention_mask=attention_mask, output_attentions=True)  # attn_implementation="eager"
-    >>> a_final = dint_attention_map(outputs.attentions[0], model.model.layers[0].self_attn.lambda_full(),
-    ...                              attention_mask, integral=model.config.integral)
-    ```
-    """
-    batch_size, num_maps, query_length, key_length = attentions.shape
-    if query_length != key_length:
-        raise ValueError(
-            f"`dint_attention_map` composes maps over a whole sequence (query length == key length); got "
-            f"{query_length} queries and {key_length} keys. With a cache, gather the rows of all steps first."
-        )
-    query_valid, document_start = dint_query_layout(attention_mask, position_ids, batch_size, query_length)
-    layout = DintIntegralLayout.build(query_valid, document_start, None, batch_size, query_length, attentions.device)
-    key_valid = torch.ones(query_length, key_length, dtype=torch.bool, device=attentions.device).tril()[None, None]
-    if attention_mask is not None:
-        key_valid = key_valid & attention_mask.bool()[:, None, None, :]
-    if document_start is not None:
-        segment = document_start.long().cumsum(-1)
-        key_valid = key_valid & (segment[:, None, :, None] == segment[:, None, None, :])
-    signal_weights, noise_weights = attentions.chunk(2, dim=1)
-    final_weights, _ = compose_final_attention(
-        signal_weights, noise_weights, torch.as_tensor(lambda_full), integral, layout, key_valid
-    )
-    return final_weights
-
-
-def dint_query_layout(
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    batch_size: int,
-    query_length: int,
-    cu_seq_lens_q: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Which query rows count in the integral, and where documents start, from a forward's inputs.
-
-    Args:
-        attention_mask: None, a 2D padding mask `[B, past + T]`, or a 4D mask `[B, 1, T, K]` (bool, or float with
-            0 where attention is allowed); a row with no allowed key is not valid.
-        position_ids (`[B or 1, T]`): a position 0 starts a document (packed sequences restart positions at 0).
-        cu_seq_lens_q (`[documents + 1]`, *optional*): flash-attention packing offsets (batch size 1).
-
-    Returns:
-        query_valid (`[B, T]` bool, or None without `attention_mask`: every row counts) and document_start (`[B, T]`
-        bool, or None without `position_ids` and `cu_seq_lens_q`: no row starts a document, each continues the
-        cache's document or, without a cache, starts the sequence).
-    """
-    query_valid = valid_query_rows(attention_mask, batch_size, query_length)
-    return query_valid, document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
-
-
-def valid_query_rows(
-    attention_mask: torch.Tensor | None, batch_size: int, query_length: int
-) -> torch.Tensor | None:
-    """The query rows that are not padding, `[B, T]` bool (None without a mask: every row counts), from a 2D padding
-    mask `[B, past + T]` or a 4D mask `[B, 1, T, K]` (bool, or float with 0 where attention is allowed; a row with
-    no allowed key is not valid)."""
-    if attention_mask is None:
-        return None
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        return attention_mask[:, -query_length:].bool()
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        return allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)
-    raise TypeError(
-        f"DINT derives the valid query rows from a 2D or 4D tensor `attention_mask`, got {type(attention_mask)}."
-    )
-
-
-def document_starts(
-    query_valid: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    batch_size: int,
-    query_length: int,
-    cu_seq_lens_q: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The valid query rows that start a document, `[B, T]` bool: a position id 0 (packed sequences restart positions
-    at 0) or a flash-attention packing offset `cu_seq_lens_q`. None without either: no row starts a document."""
-    document_start = None
-    if position_ids is not None:
-        document_start = (position_ids == 0).expand(batch_size, query_length)
-    if cu_seq_lens_q is not None:
-        if document_start is None:
-            document_start = torch.zeros(batch_size, query_length, dtype=torch.bool, device=cu_seq_lens_q.device)
-        else:
-            document_start = document_start.clone()
-        document_start[:, cu_seq_lens_q[:-1].long()] = True
-    if document_start is not None and query_valid is not None:
-        # Only a valid row starts a document: generate() writes position id 0 on padding, and pads may sit inside a
-        # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
-        document_start = document_start & query_valid.to(document_start.device)
-    return document_start
 
 
 DINT_QUERY_VALID_KEY = "dint_query_valid"
@@ -435,12 +129,6 @@ def create_dint_masks(
     batch_size, query_length = inputs_embeds.shape[:2]
     query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
     return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
-
-
-def uses_materializing_path(config: DintConfig) -> bool:
-    """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
-    needs G itself) instead of the fast path's running mean of the signal outputs."""
-    return config._attn_implementation == "eager" or config.integral == "softmax"
 
 
 class _DenseMaskConfig:
@@ -547,9 +235,7 @@ class DintAttention(nn.Module):
     ) -> torch.Tensor:
         """O1 and O2 from the configured attention backend, then `O1 - lambda * O2 + lambda * running_mean(O1)`:
         `[B, T, H/2, 2d]`, fp32 (the model's dtype for integral "none")."""
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, _unsupported_eager_interface
-        )
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
         # As DiffLlama: two calls over the two halves of V (each repeated to every KV head), sharing Q and K.
         value_states1, value_states2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value_states, 2, dim=1))
         attn_output1, _ = attention_interface(
@@ -580,15 +266,15 @@ class DintAttention(nn.Module):
         return torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
 
     def _materialized_attention(
-        self, query_states, key_states, value_states, key_mask, integral_layout, cache_layer
+        self, query_states, key_states, value_states, key_valid, integral_layout, cache_layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The paper's formulas with explicit maps A1, A2, G and A_final (the reference). Returns the output
         `[B, T, H/2, 2d]` (fp32) and the maps `[B, H, T, K]` (signal maps then noise maps)."""
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         attn_scores = torch.matmul(query_states, key_states.transpose(2, 3)).float() * self.scaling
         # A finite fill keeps fully masked rows (padding) NaN-free in forward and backward; they are zeroed below.
-        attn_scores = attn_scores.masked_fill(~key_mask, torch.finfo(torch.float32).min)
-        attn_weights = torch.where(key_mask.any(dim=-1, keepdim=True), attn_scores.softmax(dim=-1), 0.0)
+        attn_scores = attn_scores.masked_fill(~key_valid, torch.finfo(torch.float32).min)
+        attn_weights = torch.where(key_valid.any(dim=-1, keepdim=True), attn_scores.softmax(dim=-1), 0.0)
         attn_weights = attn_weights.to(query_states.dtype)
         signal_weights, noise_weights = torch.chunk(attn_weights, 2, dim=1)  # A1, A2: [B, H/2, T, K]
 
@@ -598,7 +284,7 @@ class DintAttention(nn.Module):
             self.lambda_full(),
             self.integral,
             integral_layout,
-            key_mask,
+            key_valid,
             cache_layer.integral_carry("column_sums") if cache_layer is not None else None,
         )
         if cache_layer is not None:
@@ -612,49 +298,16 @@ class DintAttention(nn.Module):
         return attn_output.transpose(1, 2), attn_weights
 
 
-def _unsupported_eager_interface(*args, **kwargs):
-    raise RuntimeError("DINT's eager attention is the materializing path; it never goes through an interface.")
+class DintDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer (its forward passes `integral_layout` on to the attention) with DINT attention."""
 
-
-class DintDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DintConfig, layer_idx: int):
-        super().__init__()
+        GradientCheckpointingLayer.__init__(self)  # Llama's __init__ would build a Llama attention first
         self.hidden_size = config.hidden_size
         self.self_attn = DintAttention(config=config, layer_idx=layer_idx)
         self.mlp = DintMLP(config)
         self.input_layernorm = DintRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DintRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        integral_layout: DintIntegralLayout | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            integral_layout=integral_layout,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
 
 
 DINT_AUTO_MAP = {
@@ -765,23 +418,15 @@ class DintModel(DintPreTrainedModel):
 
         integral_layout = None
         if self.config.integral != "none":
-            # Without position ids of the caller's, no row after row 0 starts a document, and row 0 continues the
-            # cache's document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does,
-            # restarts).
+            # Without the caller's position ids no row after row 0 starts a document, and row 0 continues the cache's
+            # document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
             batch_size, query_length = inputs_embeds.shape[:2]
-            query_valid = masks[DINT_QUERY_VALID_KEY]
-            document_start = document_starts(
-                query_valid, given_position_ids, batch_size, query_length, kwargs.get("cu_seq_lens_q")
-            )
-            past_query_count = past_key_values.layers[0].query_count if past_key_values is not None else None
+            query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
+            document_start = document_starts(query_valid, given_position_ids, batch_size, query_length, cu_seq_lens_q)
+            past_query_count = past_key_values.layers[0].past_query_count() if past_key_values is not None else None
             integral_layout = DintIntegralLayout.build(
-                query_valid,
-                document_start,
-                past_query_count,
-                batch_size,
-                query_length,
-                inputs_embeds.device,
-                continues_cache=past_seen_tokens > 0,
+                query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device,
+                carry_kept=past_seen_tokens > 0,
             )
 
         hidden_states = inputs_embeds
@@ -806,30 +451,6 @@ class DintModel(DintPreTrainedModel):
         )
 
 
-def check_dint_cache(past_key_values: Cache, config: DintConfig) -> None:
-    """Fails early, with the fix, when a cache cannot carry this model's integral statistics: it has none (e.g. a
-    bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another integral mode or
-    path. Nothing in the cache changes."""
-    layers = getattr(past_key_values, "layers", None)
-    if layers is None or not all(getattr(layer, "is_dint_layer", False) for layer in layers):
-        raise ValueError(
-            f"DINT needs its integral statistics in the cache, and this {type(past_key_values).__name__} has none "
-            f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
-            "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
-            "the model / generate() create it."
-        )
-    if len(layers) < config.num_hidden_layers:
-        raise ValueError(
-            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
-            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
-        )
-    state_name = None
-    if config.integral != "none":
-        state_name = "column_sums" if uses_materializing_path(config) else "signal_sum"
-    for layer in layers[: config.num_hidden_layers]:
-        layer.check_integral_kind(config.integral, state_name)
-
-
 @auto_docstring
 class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -843,6 +464,9 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
         self.post_init()
+
+    # Llama's: the decoder's last hidden states (those of `logits_to_keep`) through the LM head, and the loss.
+    forward = LlamaForCausalLM.forward
 
     def create_masks_for_generate(
         self,
@@ -859,56 +483,6 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
         return create_dint_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
-
-    @can_return_tuple
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        r"""
-        Example:
-
-        ```python
-        >>> from transformers import AutoTokenizer, AutoModelForCausalLM
-        >>> model = AutoModelForCausalLM.from_pretrained("path/to/dint", trust_remote_code=True)
-        >>> tokenizer = AutoTokenizer.from_pretrained("path/to/dint")
-        >>> inputs = tokenizer("To be, or not to be", return_tensors="pt")
-        >>> tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0])
-        ```"""
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-
-        hidden_states = outputs.last_hidden_state
-        hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
 
 
 class DintForSequenceClassification(GenericForSequenceClassification, DintPreTrainedModel):
@@ -955,8 +529,4 @@ __all__ = [
     "DintForSequenceClassification",
     "DintForTokenClassification",
     "DintForQuestionAnswering",
-    "dint_attention_map",
-    "DintIntegralLayout",
-    "compose_final_attention",
-    "segmented_running_sum",
 ]

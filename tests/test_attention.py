@@ -9,15 +9,15 @@ from dint_testing import left_padded_batch, tiny_config, tiny_model
 from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
-from modeling_dint.modeling_dint import (
-    DintAttention,
-    DintHeadRMSNorm,
+from modeling_dint.integral_dint import (
     DintIntegralLayout,
-    DintRotaryEmbedding,
-    _cumsum_over_rows,
-    dint_query_layout,
+    _cumsum_in_place,
+    _cumsum_rows_last,
+    document_starts,
     segmented_running_sum,
+    valid_query_rows,
 )
+from modeling_dint.modeling_dint import DintAttention, DintHeadRMSNorm, DintRotaryEmbedding
 
 
 INTEGRALS = ["mean", "softmax", "none"]
@@ -100,7 +100,8 @@ def test_attention_matches_naive_paper_formulas(integral, attn_implementation):
         & query_valid[:, None, :]
         & (document_id[:, :, None] == document_id[:, None, :])
     )[:, None]
-    query_valid_from_mask, document_start = dint_query_layout(mask, position_ids, 2, 7)
+    query_valid_from_mask = valid_query_rows(mask, 2, 7)
+    document_start = document_starts(query_valid_from_mask, position_ids, 2, 7)
     assert torch.equal(query_valid_from_mask, query_valid)
     layout = DintIntegralLayout.build(query_valid_from_mask, document_start, None, 2, 7, hidden_states.device)
     with torch.no_grad():
@@ -307,8 +308,8 @@ def test_scan_layouts_agree(dtype):
         rows = torch.randn(shape).to(dtype).requires_grad_()
         weights = torch.randn(shape)
         results = []
-        for scan_rows_last in (False, True):
-            totals = _cumsum_over_rows(rows, query_dim, scan_rows_last=scan_rows_last)
+        for cumsum in (_cumsum_in_place, _cumsum_rows_last):
+            totals = cumsum(rows, query_dim)
             (gradient,) = torch.autograd.grad((totals * weights).sum(), rows)
             assert totals.dtype == torch.float32 and totals.shape == rows.shape
             results.append((totals, gradient))

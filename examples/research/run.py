@@ -35,8 +35,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from modeling_dint import DintConfig, DintForCausalLM
-from modeling_dint.modeling_dint import dint_attention_map
+from modeling_dint import DintConfig, DintForCausalLM, dint_attention_map
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,320 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""The DINT integral: where its running mean counts and restarts, the running sums, and the composed map.
+
+Per differential head, `A_final = A1 - lambda * A2 + lambda * G`, where row n of G is the mean of the signal map A1
+over the valid query rows m <= n of n's document (c_n of them). Two paths compute it:
+
+- the fast path (any attention backend, integral "mean"): since V does not depend on the query row, `G V` is the
+  running mean of the signal output `O1 = A1 V`, so `out = O1 - lambda * (O2 - S / c)` with `S` the running sum of
+  O1 (`segmented_running_sum`): O(N d) on top of DIFF attention, no N x N matrix;
+- the materializing path (eager attention, or integral "softmax", which needs G itself): A1, A2, G and A_final as
+  the paper writes them (`compose_final_attention`), the reference the fast path is tested against.
+
+Both read one `DintIntegralLayout` per forward pass (which rows count, where documents restart, c_n), and both carry
+the sums of earlier calls from the cache (`cache_dint.py`). Padding rows are excluded with `torch.where`, never by a
+product (a padding row may hold NaN).
+
+This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from .configuration_dint import DintConfig
+
+
+def uses_materializing_path(config: DintConfig) -> bool:
+    """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
+    needs G itself) instead of the fast path's running mean of the signal outputs."""
+    return config._attn_implementation == "eager" or config.integral == "softmax"
+
+
+def valid_query_rows(
+    attention_mask: torch.Tensor | None, batch_size: int, query_length: int
+) -> torch.Tensor | None:
+    """The query rows that are not padding, `[B, T]` bool (None without a mask: every row counts), from a 2D padding
+    mask `[B, past + T]` or a 4D mask `[B, 1, T, K]` (bool, or float with 0 where attention is allowed; a row with
+    no allowed key is not valid)."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return attention_mask[:, -query_length:].bool()
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        return allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)
+    raise TypeError(
+        f"DINT derives the valid query rows from a 2D or 4D tensor `attention_mask`, got {type(attention_mask)}."
+    )
+
+
+def document_starts(
+    query_valid: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch_size: int,
+    query_length: int,
+    cu_seq_lens_q: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The valid query rows that start a document, `[B, T]` bool: a position id 0 (packed sequences restart positions
+    at 0) or a flash-attention packing offset `cu_seq_lens_q`. None without either: no row starts a document."""
+    document_start = None
+    if position_ids is not None:
+        document_start = (position_ids == 0).expand(batch_size, query_length)
+    if cu_seq_lens_q is not None:
+        if document_start is None:
+            document_start = torch.zeros(batch_size, query_length, dtype=torch.bool, device=cu_seq_lens_q.device)
+        else:
+            document_start = document_start.clone()
+        document_start[:, cu_seq_lens_q[:-1].long()] = True
+    if document_start is not None and query_valid is not None:
+        # Only a valid row starts a document: generate() writes position id 0 on padding, and pads may sit inside a
+        # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
+        document_start = document_start & query_valid.to(document_start.device)
+    return document_start
+
+
+@dataclass
+class DintIntegralLayout:
+    """Where the integral's running mean counts and restarts over the T query rows of one forward pass.
+
+    It depends on the inputs only, so `DintModel.forward` builds it once (`DintIntegralLayout.build`) for all layers.
+    A field that is None stands for a case known without reading tensor values, and the work it would cost is skipped.
+
+    Attributes:
+        query_valid (`torch.Tensor` of shape `[B, T]`, bool, or None when every row counts): the rows that are not
+            padding.
+        restart_row (`torch.Tensor` of shape `[B, T]`, long, or None when no document starts after row 0): the row of
+            this call where row n's document starts (0 for the rows of a document that started before this call).
+        in_carried_document (`torch.Tensor` of shape `[B, T]`, bool, or None with `restart_row`): the rows whose
+            document started before this call, into which the cache's sums carry.
+        carry_kept (`bool`, or a bool `torch.Tensor` of shape `[B]` or `[]`): for a call with no `restart_row`,
+            whether row 0 continues the cache's document, so that the cache's sums carry into the call (False where
+            row 0 starts a document: a position id 0).
+        running_query_count (`torch.Tensor` of shape `[B, T]`, fp32): `c_n`, the valid rows m <= n of row n's
+            document, the cache's count included.
+        inverse_query_count (`torch.Tensor` of shape `[B, T, 1, 1]`, fp32, broadcastable against the fast path's
+            `[B, T, H/2, 2d]`): `1 / max(c_n, 1)` (a document with no valid row yet has G = 0).
+    """
+
+    query_valid: torch.Tensor | None = None
+    restart_row: torch.Tensor | None = None
+    in_carried_document: torch.Tensor | None = None
+    carry_kept: torch.Tensor | bool = True
+    running_query_count: torch.Tensor | None = None
+    inverse_query_count: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        query_valid: torch.Tensor | None,
+        document_start: torch.Tensor | None,
+        past_query_count: torch.Tensor | None,
+        batch_size: int,
+        query_length: int,
+        device: torch.device,
+        carry_kept: torch.Tensor | bool = True,
+    ) -> "DintIntegralLayout":
+        """
+        Args:
+            query_valid, document_start: from `valid_query_rows` and `document_starts`.
+            past_query_count (`torch.Tensor` of shape `[B]`, *optional*): the cache's count of valid rows of the
+                current document of each batch row.
+            carry_kept (`bool` or bool `torch.Tensor`): without `document_start`, whether row 0 continues the
+                cache's document, so that its sums carry (without a caller's position ids: whether the cache holds
+                tokens).
+        """
+        if not isinstance(carry_kept, torch.Tensor):
+            carry_kept = bool(carry_kept)  # `segmented_running_sum` tests identity with True / False
+        if query_valid is not None:
+            query_valid = query_valid.to(device)  # a padding mask may come on another device, as for Llama
+        if document_start is not None:
+            document_start = document_start.to(device)
+        layout = cls(query_valid=query_valid, carry_kept=carry_kept)
+        if document_start is not None and query_length == 1:
+            layout.carry_kept = ~document_start[:, 0]
+        elif document_start is not None:
+            row_index = torch.arange(query_length, device=document_start.device)
+            start_index = torch.where(document_start, row_index, -1).cummax(dim=-1).values
+            layout.restart_row, layout.in_carried_document = start_index.clamp(min=0), start_index < 0
+        rows = torch.ones(batch_size, query_length, device=device)
+        layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
+        layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None]
+        return layout
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "DintIntegralLayout":
+        """The layout with its tensors on `device`. Accelerate's hooks call it to move a layer's arguments to the
+        layer's device when a model is split over devices (`device_map`)."""
+        moved = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                moved[field.name] = value.to(device, non_blocking=non_blocking)
+        return replace(self, **moved)
+
+
+def _cumsum_over_rows(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
+    """fp32 inclusive cumulative sum of `rows` over dimension `query_dim`, in the layout fastest on `rows`' device.
+
+    CPUs scan the dimension in place (the fastest there, forward and backward). CUDA scans a dimension that is not the
+    last one a step at a time per column (12 ms against 0.55 ms per layer at 32K tokens on an H100, bench/README.md),
+    so elsewhere the scan runs over an fp32 copy with the rows last.
+    """
+    if rows.shape[query_dim] == 1:
+        return rows.float()
+    if rows.device.type == "cpu":
+        return _cumsum_in_place(rows, query_dim)
+    return _cumsum_rows_last(rows, query_dim)
+
+
+def _cumsum_in_place(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
+    # Cast, then scan: `cumsum(dtype=torch.float32)` would run its backward scan in the input's dtype (bf16).
+    return rows.float().cumsum(query_dim)
+
+
+def _cumsum_rows_last(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
+    rows_last = rows.movedim(query_dim, -1).to(torch.float32, memory_format=torch.contiguous_format)
+    return rows_last.cumsum(-1).movedim(-1, query_dim)
+
+
+def segmented_running_sum(
+    rows: torch.Tensor,
+    layout: DintIntegralLayout,
+    carry: torch.Tensor | None = None,
+    query_dim: int = 1,
+) -> torch.Tensor:
+    """Inclusive running sum over the query rows of `rows`, in fp32, counting valid rows only and restarting at each
+    document start.
+
+    Args:
+        rows (`torch.Tensor`): one value per query row along `query_dim`: the fast path's signal outputs
+            `[B, T, H/2, 2d]` (query_dim 1), the signal maps `[B, H/2, T, K]` (query_dim 2), or `[B, T]`.
+        layout (`DintIntegralLayout`): which rows count and where documents start.
+        carry (`torch.Tensor`, *optional*): `rows`' shape without the query dimension: the sum over the rows of the
+            current document before this call (from the cache).
+
+    Returns:
+        `torch.Tensor` of `rows`' shape, fp32: row n holds the sum of the valid rows m <= n of n's document.
+    """
+
+    def along_rows(per_row: torch.Tensor) -> torch.Tensor:  # [B, T] -> broadcastable against `rows`
+        return per_row.view(per_row.shape[0], *[1] * (query_dim - 1), per_row.shape[1], *[1] * (rows.dim() - query_dim - 1))
+
+    if layout.query_valid is not None:
+        # `where`, never a product: a padding row may hold anything, NaN included.
+        rows = torch.where(along_rows(layout.query_valid), rows, 0.0)
+    totals = _cumsum_over_rows(rows, query_dim)
+    if carry is not None:
+        carry = carry.float().unsqueeze(query_dim)
+    if layout.restart_row is None:  # no document starts after row 0
+        if carry is None or layout.carry_kept is False:
+            return totals
+        if layout.carry_kept is not True:
+            carry = torch.where(layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)), carry, 0.0)
+        return totals + carry
+    # A row of a document that started in this call subtracts the sum before that document's first row; a row of the
+    # document that started before adds the carry.
+    sum_before_restart = (totals - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
+    carried = 0.0 if carry is None else -carry
+    return totals - torch.where(along_rows(layout.in_carried_document), carried, sum_before_restart)
+
+
+def compose_final_attention(
+    signal_weights: torch.Tensor,
+    noise_weights: torch.Tensor,
+    lambda_full: torch.Tensor,
+    integral: str,
+    layout: DintIntegralLayout | None,
+    key_valid: torch.Tensor,
+    past_column_sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The DINT map `A_final = A1 - lambda * A2 + lambda * G` (`G` itself, or its softmax for integral "softmax").
+
+    Args:
+        signal_weights, noise_weights (`torch.Tensor` of shape `[B, H/2, T, K]`): the maps A1 and A2.
+        lambda_full (`torch.Tensor`, scalar): the layer's lambda.
+        integral (`str`): "mean", "softmax" or "none".
+        layout (`DintIntegralLayout`): which query rows count and where documents start (unused for "none").
+        key_valid (`torch.Tensor` broadcastable to `[B, 1, T, K]`, bool): the keys each row may attend to (the
+            support of the "softmax" integral's softmax).
+        past_column_sums (`torch.Tensor` of shape `[B, H/2, K']`, *optional*): the summed signal maps of the current
+            document's rows before this call (from the cache); `K' <= K`, keys cached since count as 0.
+
+    Returns:
+        final_weights (`[B, H/2, T, K]`, fp32) and running_column_sums (`[B, H/2, T, K]`, fp32, None for "none"),
+        what the cache keeps.
+    """
+    lambda_full = lambda_full.float()
+    signal_weights, noise_weights = signal_weights.float(), noise_weights.float()
+    if integral == "none":
+        return signal_weights - lambda_full * noise_weights, None
+    if past_column_sums is not None:
+        past_column_sums = nn.functional.pad(past_column_sums, (0, signal_weights.shape[-1] - past_column_sums.shape[-1]))
+    running_column_sums = segmented_running_sum(signal_weights, layout, past_column_sums, query_dim=2)
+    integral_weights = running_column_sums * layout.inverse_query_count.transpose(1, 2)  # [B, 1, T, 1]
+    if integral == "softmax":
+        key_valid = key_valid.expand_as(integral_weights)
+        integral_weights = integral_weights.masked_fill(~key_valid, torch.finfo(torch.float32).min).softmax(dim=-1)
+        integral_weights = torch.where(key_valid.any(dim=-1, keepdim=True), integral_weights, 0.0)
+    final_weights = signal_weights - lambda_full * noise_weights + lambda_full * integral_weights
+    return final_weights, running_column_sums
+
+
+def dint_attention_map(
+    attentions: torch.Tensor,
+    lambda_full: torch.Tensor | float,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    integral: str = "mean",
+) -> torch.Tensor:
+    """A_final per differential head, from the maps a DINT model returns with `output_attentions=True` (eager).
+
+    Args:
+        attentions (`torch.Tensor` of shape `[B, H, T, T]`): one layer's maps, the H/2 signal maps then the H/2 noise
+            maps (as DiffLlama returns them), over a whole sequence (no cache).
+        lambda_full (`torch.Tensor` or `float`): the layer's lambda, `model.model.layers[i].self_attn.lambda_full()`.
+        attention_mask (`torch.Tensor` of shape `[B, T]`, *optional*): the 2D padding mask (1 = token, 0 = padding).
+        position_ids (`torch.Tensor` of shape `[B, T]`, *optional*): positions restarting at 0 start a new document
+            (packed sequences); by default one document per row.
+        integral (`str`): the model's `config.integral`.
+
+    Returns:
+        `torch.Tensor` of shape `[B, H/2, T, T]`, fp32: A_final; every valid row sums to 1.
+
+    ```python
+    >>> outputs = model(input_ids, attention_mask=attention_mask, output_attentions=True)  # attn_implementation="eager"
+    >>> a_final = dint_attention_map(outputs.attentions[0], model.model.layers[0].self_attn.lambda_full(),
+    ...                              attention_mask, integral=model.config.integral)
+    ```
+    """
+    batch_size, num_maps, query_length, key_length = attentions.shape
+    if query_length != key_length:
+        raise ValueError(
+            f"`dint_attention_map` composes maps over a whole sequence (query length == key length); got "
+            f"{query_length} queries and {key_length} keys. With a cache, gather the rows of all steps first."
+        )
+    query_valid = valid_query_rows(attention_mask, batch_size, query_length)
+    document_start = document_starts(query_valid, position_ids, batch_size, query_length)
+    layout = DintIntegralLayout.build(query_valid, document_start, None, batch_size, query_length, attentions.device)
+    key_valid = torch.ones(query_length, key_length, dtype=torch.bool, device=attentions.device).tril()[None, None]
+    if attention_mask is not None:
+        key_valid = key_valid & attention_mask.bool()[:, None, None, :]
+    if document_start is not None:
+        segment = document_start.long().cumsum(-1)
+        key_valid = key_valid & (segment[:, None, :, None] == segment[:, None, None, :])
+    signal_weights, noise_weights = attentions.chunk(2, dim=1)
+    final_weights, _ = compose_final_attention(
+        signal_weights, noise_weights, torch.as_tensor(lambda_full), integral, layout, key_valid
+    )
+    return final_weights
+
+
+__all__ = [
+    "DintIntegralLayout",
+    "compose_final_attention",
+    "dint_attention_map",
+    "document_starts",
+    "segmented_running_sum",
+    "uses_materializing_path",
+    "valid_query_rows",
+]
