@@ -108,8 +108,8 @@ def main(argv=None) -> None:
             with timed_region(args.device):  # the garbage collector off, as in the other benchmarks
                 compiled_generate(models[name], input_ids, attention_mask, caches[name], 2 + args.new_tokens, clock)
             samples[name].append(clock.median_step_seconds())
-        print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{n} {samples[n][-1] * 1e3:.2f} ms" for n in MODELS),
-              flush=True)
+        step_times = ", ".join(f"{name} {samples[name][-1] * 1e3:.2f} ms" for name in MODELS)
+        print(f"repeat {repeat + 1}/{args.repeats}: {step_times}", flush=True)
     recompiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
     ratios = {
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
         f"(rows 2.. left-padded), prompt {args.prompt_len}, {args.new_tokens} decoded tokens per repetition, "
         f"{args.repeats} repetitions, {args.dtype}, hidden {args.hidden_size}, {args.num_layers} layers.",
         "",
-        "| model | decode ms/token (median) | min | max | compiled graphs | DINT / model (median of per-round ratios) |",
+        "| model | decode ms/token (median) | min | max | compiled graphs | DINT / model (median of round ratios) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in MODELS:

@@ -343,7 +343,7 @@ class DintPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: DintConfig, *inputs, **kwargs):
-        # A config changed after construction (`config.integral = "sofmax"`) is validated again before it builds a model.
+        # A config changed after construction (`config.integral = "sofmax"`) is validated again before a model is built.
         config.validate()
         super().__init__(config, *inputs, **kwargs)
 
@@ -416,18 +416,8 @@ class DintModel(DintPreTrainedModel):
             masks = create_dint_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
         causal_mask = masks[DINT_LAYER_TYPE]
 
-        integral_layout = None
-        if self.config.integral != "none":
-            # Without the caller's position ids no row after row 0 starts a document, and row 0 continues the cache's
-            # document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
-            batch_size, query_length = inputs_embeds.shape[:2]
-            query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
-            document_start = document_starts(query_valid, given_position_ids, batch_size, query_length, cu_seq_lens_q)
-            past_query_count = past_key_values.layers[0].past_query_count() if past_key_values is not None else None
-            integral_layout = DintIntegralLayout.build(
-                query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device,
-                carry_kept=past_seen_tokens > 0,
-            )
+        query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
+        integral_layout = self.integral_layout(inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -448,6 +438,31 @@ class DintModel(DintPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
+        )
+
+    def integral_layout(
+        self,
+        inputs_embeds: torch.Tensor,
+        query_valid: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache | None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+    ) -> DintIntegralLayout | None:
+        """The forward's `DintIntegralLayout`, shared by all layers (None for integral "none").
+
+        Without the caller's `position_ids` no row after row 0 starts a document, and row 0 continues the cache's
+        document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
+        """
+        if self.config.integral == "none":
+            return None
+        batch_size, query_length = inputs_embeds.shape[:2]
+        document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
+        past_query_count, carry_kept = None, False
+        if past_key_values is not None:
+            past_query_count = past_key_values.layers[0].past_query_count()
+            carry_kept = past_key_values.get_seq_length() > 0
+        return DintIntegralLayout.build(
+            query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device, carry_kept
         )
 
 

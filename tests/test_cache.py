@@ -65,7 +65,8 @@ def test_a_cache_holding_tokens_without_integral_statistics_is_refused():
     model = tiny_model()
     cache = DynamicCache(config=model.config)
     for layer_idx in range(model.config.num_hidden_layers):  # what a model that is not DINT would write
-        cache.update(torch.zeros(1, 2, 3, model.config.head_dim), torch.zeros(1, 2, 3, model.config.head_dim), layer_idx)
+        keys = values = torch.zeros(1, 2, 3, model.config.head_dim)
+        cache.update(keys, values, layer_idx)
     with pytest.raises(ValueError, match="holds 3 tokens but no integral statistics"):
         model(torch.randint(2, 128, (1, 4)), past_key_values=cache)
 

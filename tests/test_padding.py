@@ -46,7 +46,8 @@ def test_padded_rows_match_the_row_without_pads(attn_implementation, integral, u
 
 
 # flex_attention decoding with a padding mask fails in torch 2.13's CPU inductor for every model (transformers' Llama
-# too: CppCompileError in the flex decode kernel), before DINT's code is reached; the test above covers flex with a cache.
+# too: CppCompileError in the flex decode kernel), before DINT's code is reached; the test above covers flex with a
+# cache.
 DECODE_BACKENDS = ["sdpa", "eager"]
 
 
