@@ -343,7 +343,7 @@ class DintPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: DintConfig, *inputs, **kwargs):
-        # A config changed after construction (`config.integral = "sofmax"`) is validated again before a model is built.
+        # A config changed after construction (`config.integral = "sofmax"`) is validated again here.
         config.validate()
         super().__init__(config, *inputs, **kwargs)
 
@@ -417,7 +417,9 @@ class DintModel(DintPreTrainedModel):
         causal_mask = masks[DINT_LAYER_TYPE]
 
         query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
-        integral_layout = self.integral_layout(inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q)
+        integral_layout = self.integral_layout(
+            inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q
+        )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
