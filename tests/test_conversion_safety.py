@@ -22,27 +22,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling_dint import DintConfig, DintForCausalLM
 from modeling_dint.conversion import convert_checkpoint
+from test_conversion import TINY, make_model
 
-
-TINY_LLAMA = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 
 CLI = [sys.executable, "-m", "modeling_dint.conversion"]
 PARALLEL_PROCESSES = 4
 
 
 def save_llama(folder: Path, **overrides) -> Path:
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).save_pretrained(folder)
+    make_model(LlamaForCausalLM, LlamaConfig, **overrides).save_pretrained(folder)
     return folder
 
 
@@ -111,7 +99,7 @@ def test_converted_folder_gets_the_permissions_save_pretrained_gives(tmp_path, u
     source = save_llama(tmp_path / "source")
     previous_umask = os.umask(umask)
     try:
-        DintForCausalLM(DintConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "saved")
+        DintForCausalLM(DintConfig(**TINY)).save_pretrained(tmp_path / "saved")
         convert_checkpoint(source, tmp_path / "converted", progress=False)
         convert_checkpoint(source, tmp_path / "converted", force=True, progress=False)  # the replacing path
     finally:
@@ -267,7 +255,7 @@ def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
     root.mkdir()
     source = root / "src"
     if case == "pickle-checkpoint":
-        LlamaConfig(**TINY_LLAMA).save_pretrained(source)
+        LlamaConfig(**TINY).save_pretrained(source)
         torch.save({"model.norm.weight": UnpicklingPayload()}, source / "pytorch_model.bin")
         return [str(source), str(root / "out")], "Weights only load failed"
     if case == "truncated-safetensors":
@@ -286,7 +274,7 @@ def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
             return None
         return [str(source), str(root / "read-only" / "out")], "Cannot write the output directory"
     if case == "invalid-config":
-        DintForCausalLM(DintConfig(**TINY_LLAMA, integral="none")).save_pretrained(source)
+        DintForCausalLM(DintConfig(**TINY, integral="none")).save_pretrained(source)
         config = json.loads((source / "config.json").read_text())
         (source / "config.json").write_text(json.dumps({**config, "integral": "sofmax"}))
         return [str(source), str(root / "out")], "`integral` must be one of"
@@ -297,7 +285,7 @@ def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
         (source / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
         return [str(source), str(root / "out")], "Unsupported architecture"
     if case == "unpairable-heads":
-        save_llama(source, num_attention_heads=3, num_key_value_heads=1, hidden_size=24)
+        save_llama(source, num_attention_heads=3, num_key_value_heads=1)
         return [str(source), str(root / "out")], "Cannot pair the heads"
     if case == "existing-output":
         save_llama(source)
