@@ -345,13 +345,14 @@ def cli_runs(tmp_path_factory):
     commands["success"] = CLI + [str(success_source), str(root / "success" / "out")]
     commands["import-only"] = [sys.executable, "-c", "import modeling_dint.conversion"]
     snapshots_before = {case: tree_snapshot(root / case) for case in commands if (root / case).is_dir()}
-    results = run_processes(commands)
-    runs = {}
-    for case, result in results.items():
-        after = tree_snapshot(root / case) if (root / case).is_dir() else None
-        phrase = cases[case][1] if cases.get(case) else None
-        runs[case] = (result, phrase, snapshots_before.get(case), after)
-    if cases.get("read-only-output-folder"):
+    try:
+        results = run_processes(commands)
+        runs = {}
+        for case, result in results.items():
+            after = tree_snapshot(root / case) if (root / case).is_dir() else None
+            phrase = cases[case][1] if cases.get(case) else None
+            runs[case] = (result, phrase, snapshots_before.get(case), after)
+    finally:  # an immutable folder could not be removed with the temporary folders
         make_writable(root / "read-only-output-folder" / "read-only")
     return runs
 
