@@ -12,7 +12,7 @@ Library functions that work on in-memory state dicts return a `ConversionPlan` (
 `plan_reference_diff_to_dint`.
 """
 
-from .checkpoint import CheckpointReader, ShardedSafetensorsWriter, atomic_output_dir
+from .checkpoint import CheckpointReader, ShardedSafetensorsWriter, atomic_output_dir, remove_leftovers
 from .convert import SOURCE_FORMATS, convert_checkpoint, detect_source_format, plan_conversion
 from .diffllama import (
     diffllama_config_from_dint,
@@ -51,4 +51,5 @@ __all__ = [
     "plan_llama_to_dint",
     "plan_reference_diff_to_dint",
     "reference_head_mapping",
+    "remove_leftovers",
 ]

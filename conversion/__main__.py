@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from modeling_dint.configuration_dint import INTEGRAL_MODES
+
 from .checkpoint import DTYPES
 from .convert import SOURCE_FORMATS, convert_checkpoint
 from .llama import HEAD_INITS
@@ -27,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="source layout; 'auto' reads config.json's model_type (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="dtype of the written weights; 'auto' keeps the source's (default: auto)")
-    parser.add_argument("--integral", default="mean", choices=["mean", "softmax", "none"],
+    parser.add_argument("--integral", default="mean", choices=INTEGRAL_MODES,
                         help="integral mode of the DINT model; 'none' is plain DIFF attention (default: mean)")
     parser.add_argument("--head-init", default="copy", choices=HEAD_INITS,
                         help="Llama-family sources: 'copy' the tensors (needs even head counts) or 'duplicate' every "
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status. Every expected failure (a refused or unreadable source, an invalid
+    config, an output that cannot or must not be written) is one line on stderr and status 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -62,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             progress=not args.quiet,
         )
-    except (ValueError, FileExistsError, FileNotFoundError, KeyError) as error:
-        print(f"dint-convert: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes it
+        print(f"dint-convert: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
     print(f"Wrote {plan.model_class.__name__} ({len(plan.tensors)} tensors) to {args.output}")
     return 0

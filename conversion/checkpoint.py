@@ -6,21 +6,24 @@ or sharded `.bin` (`pytorch_model.bin.index.json`); or one weights file (`.safet
 `.bin`/`.pt` files load with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 Writing: `ShardedSafetensorsWriter` streams tensors into shards of at most `max_shard_size` bytes, named as
-`save_pretrained` names them. `atomic_output_dir` builds the output in a temporary folder next to the target and
-renames it into place only when everything succeeded: a failed run leaves nothing behind.
+`save_pretrained` names them. `atomic_output_dir` refuses an output that would replace the source or an existing
+folder (without `force`), builds the output in a hidden folder next to the target and renames it into place only
+when everything succeeded: a failed run leaves nothing behind, and a killed run's hidden folders are removed by the
+next run for the same output.
 """
 
 import contextlib
 import json
 import os
+import pickle
 import re
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 
@@ -94,15 +97,19 @@ class CheckpointReader:
 
     def _safetensors_handle(self, weights_file: Path):
         if weights_file not in self._open_safetensors:
-            self._open_safetensors[weights_file] = safe_open(str(weights_file), framework="pt", device="cpu")
+            try:
+                handle = safe_open(str(weights_file), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as error:
+                raise ValueError(
+                    f"Cannot read {str(weights_file)!r}: not a complete safetensors file (truncated or corrupted?): "
+                    f"{_one_line(error)}"
+                ) from error
+            self._open_safetensors[weights_file] = handle
         return self._open_safetensors[weights_file]
 
     def _bin_state_dict(self, weights_file: Path) -> dict:
         if self._loaded_bin is None or self._loaded_bin[0] != weights_file:
-            try:
-                state_dict = torch.load(weights_file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # files in torch's legacy (non-zip) format cannot be memory-mapped
-                state_dict = torch.load(weights_file, map_location="cpu", weights_only=True)
+            state_dict = _load_weights_only(weights_file)
             if not isinstance(state_dict, dict):
                 raise ValueError(f"{str(weights_file)!r} holds a {type(state_dict).__name__}, not a state dict.")
             if "state_dict" in state_dict and isinstance(state_dict["state_dict"], dict):
@@ -130,13 +137,42 @@ class CheckpointReader:
             return self._safetensors_handle(weights_file).get_tensor(key)
         return self._bin_state_dict(weights_file)[key]
 
-    def floating_dtype(self) -> torch.dtype:
-        """The dtype of the first floating-point tensor (what `--dtype auto` keeps)."""
-        for key in self._key_to_file:
-            tensor = self.get(key)
-            if tensor.is_floating_point():
-                return tensor.dtype
-        return torch.float32
+
+def floating_dtype(source) -> torch.dtype:
+    """The dtype of the first floating-point tensor of `source` (a state dict or a `CheckpointReader`)."""
+    for key in source.keys():
+        tensor = source[key]
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+def _load_weights_only(weights_file: Path) -> object:
+    """`torch.load(weights_only=True)` of a `.bin`/`.pt` file, memory-mapped where its format allows; a file that
+    holds anything but tensors and plain containers, or is not a complete torch file, is a one-line `ValueError`."""
+    try:
+        try:
+            return torch.load(weights_file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # files in torch's legacy (non-zip) format cannot be memory-mapped
+            return torch.load(weights_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        refused = [line.strip() for line in str(error).splitlines() if "Unsupported global" in line]
+        raise ValueError(
+            f"Weights only load failed for {str(weights_file)!r}: it holds objects other than tensors, and the "
+            f"converter never runs code from a checkpoint ({refused[0] if refused else _one_line(error)}). Save its "
+            f"state dict as safetensors where you trust it."
+        ) from error
+    except (RuntimeError, EOFError, OSError) as error:
+        raise ValueError(
+            f"Cannot read {str(weights_file)!r}: not a complete PyTorch checkpoint (truncated or corrupted?): "
+            f"{_one_line(error)}"
+        ) from error
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of an error's message (library messages can run over many lines)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def parse_size(size: int | str) -> int:
@@ -208,32 +244,160 @@ class ShardedSafetensorsWriter:
         return names
 
 
-@contextlib.contextmanager
-def atomic_output_dir(output_dir: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yields a fresh temporary folder next to `output_dir`; on success it becomes `output_dir`.
+def existing_source_dir(source_dir: str | os.PathLike) -> Path:
+    """`source_dir` as a `Path`, once it is known to be a folder.
 
-    An existing `output_dir` is an error unless `force`; with `force` it is replaced only after the new output is
-    complete. On any error the temporary folder is removed and `output_dir` is left as it was.
+    Raises:
+        FileNotFoundError: nothing is at `source_dir`.
+        NotADirectoryError: `source_dir` is a file (the converter reads a folder with config.json and the weights).
+    """
+    source_dir = Path(source_dir)
+    if not source_dir.exists():
+        raise FileNotFoundError(f"Source checkpoint {str(source_dir)!r} does not exist.")
+    if not source_dir.is_dir():
+        raise NotADirectoryError(
+            f"Source checkpoint {str(source_dir)!r} is not a folder: expected a folder with config.json and weights."
+        )
+    return source_dir
+
+
+def refuse_output_in_source(output_dir: str | os.PathLike, source_dir: str | os.PathLike) -> None:
+    """Refuses an output folder that is the source folder, contains it or lies inside it, compared after resolving
+    symlinks and relative parts: replacing or writing it would delete or change the source.
+
+    Raises:
+        ValueError: naming both folders and how they overlap.
+    """
+    source, output = Path(source_dir).resolve(), Path(output_dir).resolve()
+    if output == source:
+        relation = "is"
+    elif source.is_relative_to(output):
+        relation = "contains"
+    elif output.is_relative_to(source):
+        relation = "lies inside"
+    else:
+        return
+    raise ValueError(
+        f"Output directory {str(output_dir)!r} {relation} the source checkpoint {str(source_dir)!r}: writing it "
+        f"would replace or change the source. Choose an output folder outside the source."
+    )
+
+
+STAGING_KINDS = ("staging", "old")
+"""The converter's hidden folders next to an output `NAME`: `.NAME.dint-convert-staging-PID-TOKEN` holds the output
+being written; `.NAME.dint-convert-old-PID-TOKEN` holds, for a moment, the output that `force` replaces."""
+
+
+def _staging_name_pattern(output_dir: Path) -> re.Pattern:
+    kinds = "|".join(STAGING_KINDS)
+    return re.compile(rf"\.{re.escape(output_dir.name)}\.dint-convert-(?P<kind>{kinds})-(?P<pid>\d+)-[0-9a-f]{{8}}")
+
+
+def _make_staging_dir(output_dir: Path, kind: str) -> Path:
+    """A new, empty folder next to `output_dir`, named for `kind` and this process. Plain `mkdir` (not `mkdtemp`'s
+    0700), so the folder gets the permissions the umask gives, as `save_pretrained`'s folders do."""
+    while True:
+        folder = output_dir.parent / f".{output_dir.name}.dint-convert-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _process_is_running(pid: int) -> bool:
+    """Whether process `pid` (on this machine) still runs; where this cannot be asked, assumed to run."""
+    if pid == os.getpid() or os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    return True
+
+
+def remove_leftovers(output_dir: str | os.PathLike) -> list[Path]:
+    """Removes the converter's hidden folders for `output_dir` (see `STAGING_KINDS`) that a killed or failed earlier
+    run left, and returns them. Only folders with exactly those names, whose process no longer runs, are touched.
+
+    A run killed while replacing an output with `force` leaves the previous output in its `old` folder and nothing
+    at `output_dir`: that previous output is moved back to `output_dir` instead of being removed.
     """
     output_dir = Path(output_dir).absolute()
-    if output_dir.exists() and not force:
+    if not output_dir.parent.is_dir():
+        return []
+    pattern = _staging_name_pattern(output_dir)
+    removed = []
+    for entry in sorted(output_dir.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if match is None or entry.is_symlink() or not entry.is_dir() or _process_is_running(int(match["pid"])):
+            continue
+        previous_output = entry / "old"
+        if match["kind"] == "old" and os.path.lexists(previous_output) and not os.path.lexists(output_dir):
+            os.rename(previous_output, output_dir)
+        shutil.rmtree(entry)
+        removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    output_dir: str | os.PathLike, force: bool = False, source_dir: str | os.PathLike | None = None
+) -> Iterator[Path]:
+    """Yields a fresh hidden folder next to `output_dir`; on success it becomes `output_dir`.
+
+    Before anything is written: `refuse_output_in_source` (when `source_dir` is given), `remove_leftovers` of earlier
+    runs, and the refusal of an existing `output_dir` without `force`. With `force` an existing `output_dir` is
+    replaced only after the new output is complete. On any error the hidden folders are removed and `output_dir` is
+    left as it was. A killed run leaves its hidden folders; the next run for the same output removes them.
+
+    Raises:
+        ValueError: `output_dir` is, contains or lies inside `source_dir`.
+        FileExistsError: `output_dir` exists and not `force`.
+        OSError: the folder next to `output_dir` cannot be written.
+    """
+    output_dir = Path(output_dir).absolute()
+    if source_dir is not None:
+        refuse_output_in_source(output_dir, source_dir)
+    remove_leftovers(output_dir)  # first: it may move back the output of a run killed while replacing it
+    if os.path.lexists(output_dir) and not force:
         raise FileExistsError(
             f"Output directory {str(output_dir)!r} already exists: pass --force (force=True) to replace it."
         )
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = _make_staging_dir(output_dir, "staging")
+    except OSError as error:
+        raise OSError(f"Cannot write the output directory {str(output_dir)!r}: {error.strerror or error}.") from error
     try:
         yield staging
-        if output_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
-            os.rename(output_dir, retired / "old")
-            os.rename(staging, output_dir)
-            shutil.rmtree(retired, ignore_errors=True)
+        if os.path.lexists(output_dir):
+            _replace(output_dir, staging)
         else:
             os.rename(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _replace(output_dir: Path, staging: Path) -> None:
+    """Moves `output_dir` aside, `staging` into its place, then removes the old output; a failed rename puts the
+    old output back and leaves no folder of its own."""
+    retired = _make_staging_dir(output_dir, "old")
+    try:
+        os.rename(output_dir, retired / "old")
+    except BaseException:
+        retired.rmdir()
+        raise
+    try:
+        os.rename(staging, output_dir)
+    except BaseException:
+        os.rename(retired / "old", output_dir)
+        retired.rmdir()
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def copy_tokenizer_and_generation_files(source_dir: str | os.PathLike, output_dir: str | os.PathLike) -> list[str]:
@@ -253,10 +417,11 @@ def copy_tokenizer_and_generation_files(source_dir: str | os.PathLike, output_di
     return copied
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, reader: CheckpointReader) -> torch.dtype:
-    """`None`/`"auto"` keeps the source's floating dtype; otherwise one of `DTYPES` (or a torch dtype)."""
+def resolve_dtype(dtype: str | torch.dtype | None, source) -> torch.dtype:
+    """`None`/`"auto"` keeps the floating dtype of `source` (a state dict or a `CheckpointReader`); otherwise one of
+    `DTYPES` (or a torch dtype)."""
     if dtype is None or dtype == "auto":
-        return reader.floating_dtype()
+        return floating_dtype(source)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:

@@ -16,7 +16,7 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import ConversionPlan, shared_decoder_fields
+from .plan import HEAD_LAYOUT_FIELDS, ConversionPlan, shared_decoder_fields
 
 
 def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = "mean") -> DintConfig:
@@ -24,11 +24,7 @@ def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = 
     if source_config.model_type != "diffllama":
         raise ValueError(f"Expected a DiffLlama config (model_type 'diffllama'), got {source_config.model_type!r}.")
     return DintConfig(
-        **shared_decoder_fields(source_config),
-        num_attention_heads=source_config.num_attention_heads,
-        num_key_value_heads=source_config.num_key_value_heads,
-        head_dim=source_config.head_dim,
-        attention_bias=source_config.attention_bias,
+        **shared_decoder_fields(source_config, *HEAD_LAYOUT_FIELDS),
         mlp_bias=False,
         integral=integral,
         lambda_init=None,
@@ -48,16 +44,13 @@ def plan_diffllama_to_dint(source, source_config: PreTrainedConfig, integral: st
         integral: the DINT model's integral mode; `"none"` reproduces DiffLlama's logits.
     """
     config = dint_config_from_diffllama(source_config, integral)
-    tensors = {}
-    for name in source.keys():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        tensors[name] = _source_tensor(source, name)
+    notes = [f"integral={integral!r}" + (": logits equal DiffLlama's." if integral == "none" else ".")]
+    plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
+    plan.copy_source_tensors()
     for layer_idx in range(config.num_hidden_layers):
         scale = 1.0 - config.lambda_init_for_layer(layer_idx)
-        tensors[f"model.layers.{layer_idx}.self_attn.head_norm.weight"] = _filled(2 * config.head_dim, scale)
-    notes = [f"integral={integral!r}" + (": logits equal DiffLlama's." if integral == "none" else ".")]
-    return ConversionPlan(config=config, model_class=DintForCausalLM, tensors=tensors, notes=notes)
+        plan.constant(f"model.layers.{layer_idx}.self_attn.head_norm.weight", torch.full((2 * config.head_dim,), scale))
+    return plan
 
 
 def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
@@ -85,11 +78,7 @@ def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
     if source_config.mlp_bias:
         raise ValueError("Cannot convert a DINT model with mlp_bias=True to DiffLlama: DiffLlama's MLP has no bias.")
     return DiffLlamaConfig(
-        **shared_decoder_fields(source_config),
-        num_attention_heads=source_config.num_attention_heads,
-        num_key_value_heads=source_config.num_key_value_heads,
-        head_dim=source_config.head_dim,
-        attention_bias=source_config.attention_bias,
+        **shared_decoder_fields(source_config, *HEAD_LAYOUT_FIELDS),
         lambda_std_dev=source_config.lambda_std_dev,
         architectures=["DiffLlamaForCausalLM"],
     )
@@ -103,41 +92,26 @@ def plan_dint_to_diffllama(source, source_config: DintConfig) -> ConversionPlan:
         source_config: the `DintConfig`.
     """
     config = diffllama_config_from_dint(source_config)
-    tensors = {}
-    for name in source.keys():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if name.endswith(".self_attn.head_norm.weight"):
-            continue
-        tensors[name] = _source_tensor(source, name)
+    plan = ConversionPlan(config, DiffLlamaForCausalLM, source)
+    plan.copy_source_tensors(skip=lambda name: name.endswith(".self_attn.head_norm.weight"))
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."
-        head_norm_name = prefix + "head_norm.weight" if source_config.head_norm_affine else None
-        tensors[prefix + "o_proj.weight"] = _folded_output_projection(
-            source, prefix + "o_proj.weight", head_norm_name, 1.0 - source_config.lambda_init_for_layer(layer_idx)
-        )
-    return ConversionPlan(config=config, model_class=DiffLlamaForCausalLM, tensors=tensors, notes=[])
+        # A weightless head norm is a weight of ones: only o_proj is read then.
+        head_norm_names = [prefix + "head_norm.weight"] if source_config.head_norm_affine else []
+        plan.derive(prefix + "o_proj.weight", folded_output_projection, prefix + "o_proj.weight", *head_norm_names,
+                    diffllama_scale=1.0 - source_config.lambda_init_for_layer(layer_idx))
+    return plan
 
 
-def _source_tensor(source, name):
-    return lambda: source[name]
-
-
-def _filled(size: int, value: float):
-    return lambda: torch.full((size,), value)
-
-
-def _folded_output_projection(source, o_proj_name: str, head_norm_name: str | None, diffllama_scale: float):
-    """o_proj `[hidden, (H/2) * 2d]` with column c of every head scaled by `head_norm.weight[c] / (1 - lambda_init)`."""
-
-    def compute():
-        weight = source[o_proj_name]
-        if head_norm_name is None:  # a weightless head norm is a weight of ones
-            return (weight.float() / diffllama_scale).to(weight.dtype)
-        channel_scale = source[head_norm_name].float()  # [2d]
-        hidden_size = weight.shape[0]
-        per_head = weight.float().reshape(hidden_size, -1, channel_scale.numel())  # [hidden, H/2, 2d]
-        folded = per_head * (channel_scale / diffllama_scale)
-        return folded.reshape(hidden_size, -1).to(weight.dtype)
-
-    return compute
+def folded_output_projection(
+    weight: torch.Tensor, head_norm_weight: torch.Tensor | None = None, *, diffllama_scale: float
+) -> torch.Tensor:
+    """o_proj `[hidden, (H/2) * 2d]` with column c of every head scaled by `head_norm_weight[c] / (1 - lambda_init)`
+    (`diffllama_scale` is `1 - lambda_init`; no `head_norm_weight` scales every column by `1 / diffllama_scale`)."""
+    if head_norm_weight is None:
+        return (weight.float() / diffllama_scale).to(weight.dtype)
+    channel_scale = head_norm_weight.float()  # [2d]
+    hidden_size = weight.shape[0]
+    per_head = weight.float().reshape(hidden_size, -1, channel_scale.numel())  # [hidden, H/2, 2d]
+    folded = per_head * (channel_scale / diffllama_scale)
+    return folded.reshape(hidden_size, -1).to(weight.dtype)

@@ -25,7 +25,7 @@ from transformers import PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import ConversionPlan, shared_decoder_fields
+from .plan import LAMBDA_NAMES, ConversionPlan, shared_decoder_fields
 
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -97,7 +97,7 @@ def initial_lambda_vectors(config: DintConfig, seed: int = 0) -> dict[str, torch
     generator = torch.Generator().manual_seed(seed)
     vectors = {}
     for layer_idx in range(config.num_hidden_layers):
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        for name in LAMBDA_NAMES:
             vectors[f"model.layers.{layer_idx}.self_attn.{name}"] = (
                 torch.randn(config.head_dim, generator=generator, dtype=torch.float32) * config.lambda_std_dev
             )
@@ -165,68 +165,42 @@ def plan_llama_to_dint(
             f"The source uses sliding-window attention (window {sliding_window}); DINT attends to the whole causal "
             f"prefix, so outputs differ for sequences longer than the window."
         )
+    plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
+    plan.copy_source_tensors(skip=lambda name: name.endswith(SKIPPED_SOURCE_SUFFIXES))
     lambda_vectors = initial_lambda_vectors(config, seed)
-    tensors = {}
-    for name in source.keys():
-        if name.endswith(SKIPPED_SOURCE_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        tensors[name] = _source_tensor(source, name)
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."
-        if config.attention_bias and prefix + "o_proj.bias" not in tensors:  # Qwen2 has no o_proj bias
-            tensors[prefix + "o_proj.bias"] = _zeros(config.hidden_size)
+        if config.attention_bias and prefix + "o_proj.bias" not in plan.tensors:  # Qwen2 has no o_proj bias
+            plan.constant(prefix + "o_proj.bias", torch.zeros(config.hidden_size))
         if config.head_norm and config.head_norm_affine:
-            tensors[prefix + "head_norm.weight"] = _ones(2 * config.head_dim)
-        lambda_names = [prefix + name for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
-        lambdas = [lambda_vectors[name] for name in lambda_names]
+            plan.constant(prefix + "head_norm.weight", torch.ones(2 * config.head_dim))
+        lambdas = [lambda_vectors[prefix + name] for name in LAMBDA_NAMES]
         if head_init == "duplicate":
             lambdas = zero_lambda_vectors(*lambdas, config.lambda_init_for_layer(layer_idx))
             for projection in ("q_proj", "k_proj", "v_proj"):
                 for kind in ("weight", "bias"):
                     name = f"{prefix}{projection}.{kind}"
-                    if name in tensors:
-                        tensors[name] = _duplicated_rows(source, name)
-            tensors[prefix + "o_proj.weight"] = _split_output_columns(source, prefix + "o_proj.weight", config.head_dim)
-        for name, value in zip(lambda_names, lambdas):
-            tensors[name] = _constant(value)
+                    if name in plan.tensors:
+                        plan.derive(name, duplicated_rows, name)
+            plan.derive(prefix + "o_proj.weight", split_output_columns, prefix + "o_proj.weight",
+                        head_dim=config.head_dim)
+        for name, value in zip(LAMBDA_NAMES, lambdas):
+            plan.constant(prefix + name, value)
     notes.append(
         f"head_init={head_init!r}: {config.num_attention_heads} softmax maps ({config.num_attention_heads // 2} "
         f"differential heads), {config.num_key_value_heads} key/value heads, head_norm={config.head_norm}."
     )
-    return ConversionPlan(config=config, model_class=DintForCausalLM, tensors=tensors, notes=notes)
+    return plan
 
 
-def _source_tensor(source, name):
-    return lambda: source[name]
-
-
-def _constant(value: torch.Tensor):
-    return lambda: value.clone()
-
-
-def _zeros(size: int):
-    return lambda: torch.zeros(size)
-
-
-def _ones(size: int):
-    return lambda: torch.ones(size)
-
-
-def _duplicated_rows(source, name):
+def duplicated_rows(rows: torch.Tensor) -> torch.Tensor:
     """`[rows; rows]`: a projection (or its bias) whose heads are repeated as a second block of heads."""
-    return lambda: torch.cat([source[name], source[name]], dim=0)
+    return torch.cat([rows, rows], dim=0)
 
 
-def _split_output_columns(source, name, head_dim):
+def split_output_columns(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     """o_proj `[hidden, H*d]` -> `[hidden, 2H*d]`: differential head i reads `W_i / 2` from each of its two value
     halves, which both hold Llama head i's output, so the sum is `W_i` times that output."""
-
-    def compute():
-        weight = source[name]
-        hidden_size = weight.shape[0]
-        per_head = weight.reshape(hidden_size, -1, 1, head_dim) / 2
-        return per_head.expand(-1, -1, 2, -1).reshape(hidden_size, -1)
-
-    return compute
+    hidden_size = weight.shape[0]
+    per_head = weight.reshape(hidden_size, -1, 1, head_dim) / 2
+    return per_head.expand(-1, -1, 2, -1).reshape(hidden_size, -1)

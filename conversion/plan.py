@@ -1,11 +1,41 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""The result of a converter: the target config and, per target tensor, how to compute it from the source."""
+"""The result of a converter: the target config and, per target tensor, a recipe that computes it from the source.
 
-from collections.abc import Callable
+Every converter builds its plan the same way: `ConversionPlan(config, model_class, source)`, then
+`copy_source_tensors()` for everything it keeps under the same name, and `copy`, `derive` and `constant` for what
+it changes or adds. A new source format is one more such planner.
+"""
+
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
+
+
+LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+"""The four lambda vectors of a differential attention layer (DINT, DiffLlama and the reference share the names)."""
+
+DECODER_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+)
+"""Config fields that DINT, DiffLlama and Llama share unchanged (sizes, norms, tokens); see `shared_decoder_fields`."""
+
+HEAD_LAYOUT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias")
+"""Config fields of the attention heads, which DINT and DiffLlama share and a Llama-family conversion changes."""
 
 
 @dataclass
@@ -15,15 +45,39 @@ class ConversionPlan:
     Attributes:
         config: the target config (`DintConfig`, or `DiffLlamaConfig` for DINT -> DiffLlama).
         model_class: the target model class, e.g. `DintForCausalLM`; the writer checks names and shapes against it.
+        source: the source tensors, a mapping name -> tensor (a state dict or a `CheckpointReader`).
         tensors: target tensor name -> function returning that tensor (computed lazily, one at a time, so a large
-            checkpoint never has to fit in memory twice).
+            checkpoint never has to fit in memory twice). Filled with the recipe methods below.
         notes: human-readable remarks about the conversion (printed by the CLI).
     """
 
     config: PreTrainedConfig
     model_class: type[PreTrainedModel]
-    tensors: dict[str, Callable[[], torch.Tensor]]
+    source: Mapping[str, torch.Tensor]
+    tensors: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+    def copy_source_tensors(self, skip: Callable[[str], bool] | None = None) -> None:
+        """Plans every source tensor under its own name, except `lm_head.weight` when the target ties it to the
+        embeddings and the names for which `skip(name)` is true."""
+        for name in self.source.keys():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if skip is not None and skip(name):
+                continue
+            self.copy(name)
+
+    def copy(self, name: str, source_name: str | None = None) -> None:
+        """Target tensor `name` is the source tensor `source_name` (default: the same name), unchanged."""
+        self.derive(name, _unchanged, source_name or name)
+
+    def derive(self, name: str, function: Callable[..., torch.Tensor], *source_names: str, **options) -> None:
+        """Target tensor `name` is `function(*source tensors named source_names, **options)`, computed when written."""
+        self.tensors[name] = partial(_derived_tensor, self.source, function, source_names, options)
+
+    def constant(self, name: str, value: torch.Tensor) -> None:
+        """Target tensor `name` is `value` (a new tensor: lambda vectors, head norms, biases); each call gets a copy."""
+        self.tensors[name] = value.clone
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Computes every target tensor (in memory): for tests and small models."""
@@ -39,23 +93,19 @@ class ConversionPlan:
         return model.to(dtype).eval()
 
 
-def shared_decoder_fields(source_config: PreTrainedConfig) -> dict:
-    """The Llama-family fields that DINT, DiffLlama and Llama configs share unchanged (sizes, norms, RoPE, tokens).
-    Head counts, head_dim, biases and the architecture-specific fields are each converter's own."""
-    return dict(
-        vocab_size=source_config.vocab_size,
-        hidden_size=source_config.hidden_size,
-        intermediate_size=source_config.intermediate_size,
-        num_hidden_layers=source_config.num_hidden_layers,
-        hidden_act=source_config.hidden_act,
-        max_position_embeddings=source_config.max_position_embeddings,
-        initializer_range=source_config.initializer_range,
-        rms_norm_eps=source_config.rms_norm_eps,
-        use_cache=source_config.use_cache,
-        pad_token_id=source_config.pad_token_id,
-        bos_token_id=source_config.bos_token_id,
-        eos_token_id=source_config.eos_token_id,
-        tie_word_embeddings=source_config.tie_word_embeddings,
-        rope_parameters=dict(source_config.rope_parameters) if source_config.rope_parameters else None,
-        attention_dropout=0.0,
-    )
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _derived_tensor(source, function, source_names, options) -> torch.Tensor:
+    return function(*(source[name] for name in source_names), **options)
+
+
+def shared_decoder_fields(source_config: PreTrainedConfig, *extra_fields: str) -> dict:
+    """The `DECODER_FIELDS` of `source_config` (plus `extra_fields`, e.g. `HEAD_LAYOUT_FIELDS`), its RoPE parameters
+    and no attention dropout: the keyword arguments a converted config starts from. Head counts, head_dim, biases and
+    the architecture-specific fields are each converter's own."""
+    fields = {name: getattr(source_config, name) for name in (*DECODER_FIELDS, *extra_fields)}
+    fields["rope_parameters"] = dict(source_config.rope_parameters) if source_config.rope_parameters else None
+    fields["attention_dropout"] = 0.0
+    return fields

@@ -31,7 +31,7 @@ import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import ConversionPlan
+from .plan import LAMBDA_NAMES, ConversionPlan
 
 
 ROTARY_LAYOUTS = ("interleaved", "half")
@@ -124,69 +124,49 @@ def plan_reference_diff_to_dint(
         }
     )
     channel_order = interleaved_to_half_permutation(head_dim) if rotary == "interleaved" else torch.arange(head_dim)
-    tensors = {}
-    for name in source.keys():
-        if ".self_attn." in name:
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        tensors[name] = _source_tensor(source, name)
+    plan = ConversionPlan(config, DintForCausalLM, source)
+    plan.copy_source_tensors(skip=lambda name: ".self_attn." in name)  # attention is mapped layer by layer below
     for layer_idx in range(config.num_hidden_layers):
-        source_prefix = f"model.layers.{layer_idx}.self_attn."
-        missing = [source_prefix + n for n in REFERENCE_ATTENTION_NAMES if source_prefix + n not in source]
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        missing = [prefix + n for n in REFERENCE_ATTENTION_NAMES if prefix + n not in source]
         if missing:
             raise ValueError(
                 f"Not a reference Diff-Transformer checkpoint: missing {missing} (expected the reference attention "
                 f"names {REFERENCE_ATTENTION_NAMES} under 'model.layers.{{i}}.self_attn.')."
             )
-        prefix = source_prefix
-        tensors[prefix + "q_proj.weight"] = _gathered_heads(source, source_prefix + "q_proj.weight", query_sources,
-                                                            head_dim, channel_order)
-        tensors[prefix + "k_proj.weight"] = _gathered_heads(source, source_prefix + "k_proj.weight", key_sources,
-                                                            head_dim, channel_order)
-        tensors[prefix + "v_proj.weight"] = _gathered_value_halves(source, source_prefix + "v_proj.weight",
-                                                                   value_sources, head_dim)
-        tensors[prefix + "o_proj.weight"] = _source_tensor(source, source_prefix + "out_proj.weight")
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            # Only the dot products lq1.lk1 and lq2.lk2 matter: no channel permutation needed.
-            tensors[prefix + name] = _source_tensor(source, source_prefix + name)
-        tensors[prefix + "head_norm.weight"] = _scaled(
-            source, source_prefix + "subln.weight", 1.0 - config.lambda_init_for_layer(layer_idx)
-        )
-    notes = [
+        plan.derive(prefix + "q_proj.weight", gathered_heads, prefix + "q_proj.weight", head_sources=query_sources,
+                    head_dim=head_dim, channel_order=channel_order)
+        plan.derive(prefix + "k_proj.weight", gathered_heads, prefix + "k_proj.weight", head_sources=key_sources,
+                    head_dim=head_dim, channel_order=channel_order)
+        plan.derive(prefix + "v_proj.weight", gathered_value_halves, prefix + "v_proj.weight",
+                    value_sources=value_sources, head_dim=head_dim)
+        plan.copy(prefix + "o_proj.weight", prefix + "out_proj.weight")
+        for name in LAMBDA_NAMES:  # only the dot products lq1.lk1 and lq2.lk2 matter: no channel permutation
+            plan.copy(prefix + name)
+        plan.derive(prefix + "head_norm.weight", scaled, prefix + "subln.weight",
+                    factor=1.0 - config.lambda_init_for_layer(layer_idx))
+    plan.notes.append(
         f"reference layout: {num_heads} differential heads, {2 * num_kv_heads} key heads -> DINT "
         f"{config.num_attention_heads} softmax maps, {dint_num_kv_heads} key/value heads"
         + (" (key/value rows duplicated to express the reference's key sharing exactly)."
            if dint_num_kv_heads > 2 * num_kv_heads else " (a pure permutation).")
-    ]
-    return ConversionPlan(config=config, model_class=DintForCausalLM, tensors=tensors, notes=notes)
+    )
+    return plan
 
 
-def _source_tensor(source, name):
-    return lambda: source[name]
+def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    return tensor * factor
 
 
-def _scaled(source, name, factor):
-    return lambda: source[name] * factor
-
-
-def _gathered_heads(source, name, head_sources: list[int], head_dim: int, channel_order: torch.Tensor):
+def gathered_heads(
+    weight: torch.Tensor, head_sources: list[int], head_dim: int, channel_order: torch.Tensor
+) -> torch.Tensor:
     """Rows of heads `head_sources` of a `[heads*d, hidden]` projection, channels reordered inside each head."""
-
-    def compute():
-        weight = source[name]
-        per_head = weight.reshape(-1, head_dim, weight.shape[-1])
-        return per_head[torch.tensor(head_sources)][:, channel_order].reshape(-1, weight.shape[-1])
-
-    return compute
+    per_head = weight.reshape(-1, head_dim, weight.shape[-1])
+    return per_head[torch.tensor(head_sources)][:, channel_order].reshape(-1, weight.shape[-1])
 
 
-def _gathered_value_halves(source, name, value_sources: list[tuple[int, int]], head_dim: int):
+def gathered_value_halves(weight: torch.Tensor, value_sources: list[tuple[int, int]], head_dim: int) -> torch.Tensor:
     """DINT value heads from halves of the reference `[m * 2d, hidden]` value projection."""
-
-    def compute():
-        weight = source[name]
-        halves = weight.reshape(-1, 2, head_dim, weight.shape[-1])  # [m, 2, d, hidden]
-        return torch.cat([halves[head, half] for head, half in value_sources], dim=0)
-
-    return compute
+    halves = weight.reshape(-1, 2, head_dim, weight.shape[-1])  # [m, 2, d, hidden]
+    return torch.cat([halves[head, half] for head, half in value_sources], dim=0)

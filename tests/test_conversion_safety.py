@@ -1,0 +1,378 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""The converter never loses data: it refuses an output that would replace or change the source, gives its folders
+the permissions `save_pretrained` gives, cleans what a killed run left (and puts back an output a killed `--force`
+run had moved aside), and ends every expected failure in one line on stderr with exit status 2.
+
+The CLI's contract is checked through the real CLI, `python -m modeling_dint.conversion`, in subprocesses (started
+together, a few at a time, since each spends seconds importing torch and transformers).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint.conversion import convert_checkpoint
+from test_conversion import TINY, make_model
+
+
+CLI = [sys.executable, "-m", "modeling_dint.conversion"]
+PARALLEL_PROCESSES = 4
+
+
+def save_llama(folder: Path, **overrides) -> Path:
+    make_model(LlamaForCausalLM, LlamaConfig, **overrides).save_pretrained(folder)
+    return folder
+
+
+def tree_snapshot(root: Path) -> dict:
+    """Every entry below `root` (hidden ones included): its kind, mode and content (a file's hash, a link's target)."""
+    snapshot = {}
+    for folder, folder_names, file_names in os.walk(root):
+        for name in folder_names + file_names:
+            path = Path(folder) / name
+            info = path.lstat()
+            if path.is_symlink():
+                content = os.readlink(path)
+            elif path.is_file():
+                content = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                content = None
+            snapshot[str(path.relative_to(root))] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode), content)
+    return snapshot
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# An output that is, contains or lies inside the source
+
+
+@pytest.mark.parametrize(
+    "layout,relation",
+    [
+        ("output-is-source", "is"),
+        ("output-is-source-by-symlink", "is"),
+        ("output-is-source-by-relative-path", "is"),
+        ("output-contains-source", "contains"),
+        ("output-inside-source", "lies inside"),
+        ("output-inside-source-through-symlink", "lies inside"),
+    ],
+)
+def test_output_that_is_contains_or_lies_inside_the_source_is_refused(tmp_path, monkeypatch, layout, relation):
+    source = save_llama(tmp_path / "parent" / "src")
+    (tmp_path / "parent" / "notes.txt").write_text("unrelated")
+    monkeypatch.chdir(tmp_path / "parent")
+    if layout == "output-is-source":
+        output = source
+    elif layout == "output-is-source-by-symlink":
+        (tmp_path / "link").symlink_to(source)
+        output = tmp_path / "link"
+    elif layout == "output-is-source-by-relative-path":
+        output = Path("src/../src")
+    elif layout == "output-contains-source":
+        output = tmp_path / "parent"
+    elif layout == "output-inside-source":
+        output = source / "out"
+    else:  # a symlink next to the source that points into it
+        (tmp_path / "link").symlink_to(source)
+        output = tmp_path / "link" / "out"
+    before = tree_snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"{relation} the source checkpoint.*outside the source"):
+        convert_checkpoint(source, output, force=True, progress=False)
+    assert tree_snapshot(tmp_path) == before
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Permissions
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_converted_folder_gets_the_permissions_save_pretrained_gives(tmp_path, umask):
+    source = save_llama(tmp_path / "source")
+    previous_umask = os.umask(umask)
+    try:
+        DintForCausalLM(DintConfig(**TINY)).save_pretrained(tmp_path / "saved")
+        convert_checkpoint(source, tmp_path / "converted", progress=False)
+        convert_checkpoint(source, tmp_path / "converted", force=True, progress=False)  # the replacing path
+    finally:
+        os.umask(previous_umask)
+    saved_mode = stat.S_IMODE((tmp_path / "saved").stat().st_mode)
+    assert saved_mode == 0o777 & ~umask
+    assert stat.S_IMODE((tmp_path / "converted").stat().st_mode) == saved_mode
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Killed and failed runs
+
+
+def run_killed(source: Path, output: Path, kill_when: str, *extra_arguments: str) -> subprocess.CompletedProcess:
+    """Runs the CLI in a subprocess that SIGKILLs itself at one point (no cleanup can run): after writing its first
+    shard (`kill_when="shard-written"`), or when moving the new output into place (`"output-renamed"`)."""
+    script = f"""
+import os, signal, sys
+from pathlib import Path
+from modeling_dint.conversion import checkpoint
+from modeling_dint.conversion.__main__ import main
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if {kill_when!r} == "shard-written":
+    write_shard = checkpoint.ShardedSafetensorsWriter._flush
+    def _flush(self):
+        write_shard(self)
+        die()
+    checkpoint.ShardedSafetensorsWriter._flush = _flush
+else:
+    rename = os.rename
+    def renaming(source, destination):
+        if Path(destination).absolute() == Path({str(output)!r}).absolute():
+            die()
+        rename(source, destination)
+    os.rename = renaming
+sys.exit(main(sys.argv[1:]))
+"""
+    arguments = [str(source), str(output), "--quiet", *extra_arguments]
+    completed = subprocess.run([sys.executable, "-c", script, *arguments], capture_output=True, text=True)
+    assert completed.returncode == -9, completed.stderr
+    return completed
+
+
+def hidden_entries(folder: Path) -> set[str]:
+    return {path.name for path in folder.iterdir() if path.name.startswith(".")}
+
+
+def test_rerun_removes_what_a_killed_run_left_and_nothing_else(tmp_path):
+    source = save_llama(tmp_path / "source")
+    # Names that are not this converter's staging folders for `dint`: none of them may be touched.
+    decoys = [
+        ".dint.backup",  # the user's
+        ".dint.tmp-abcd1234",  # another tool's temporary folder
+        ".dint2.dint-convert-staging-999999-0123abcd",  # the staging folder of another output
+        ".dint.dint-convert-staging-notapid-0123abcd",  # not the converter's exact pattern
+    ]
+    for name in decoys:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data.txt").write_text(name)
+    (tmp_path / ".dint.dint-convert-old-999999-0123abcd").write_text("a file, not a folder")
+    decoys.append(".dint.dint-convert-old-999999-0123abcd")
+    decoy_snapshot = {name: tree_snapshot(tmp_path / name) for name in decoys}
+
+    run_killed(source, tmp_path / "dint", "shard-written", "--max-shard-size", "1KB")
+    leftovers = hidden_entries(tmp_path) - set(decoys)
+    assert len(leftovers) == 1 and not (tmp_path / "dint").exists()
+    leftover = tmp_path / leftovers.pop()
+    assert any(path.suffix == ".safetensors" for path in leftover.iterdir())  # killed in the middle of writing
+
+    convert_checkpoint(source, tmp_path / "dint", progress=False)
+    assert hidden_entries(tmp_path) == set(decoys)
+    assert {name: tree_snapshot(tmp_path / name) for name in decoys} == decoy_snapshot
+    DintForCausalLM.from_pretrained(tmp_path / "dint")
+
+
+def test_rerun_puts_back_the_output_a_killed_force_run_had_moved_aside(tmp_path):
+    source = save_llama(tmp_path / "source")
+    (tmp_path / "dint").mkdir()
+    (tmp_path / "dint" / "keep.txt").write_text("mine")
+
+    run_killed(source, tmp_path / "dint", "output-renamed", "--force")
+    assert not (tmp_path / "dint").exists()  # killed between moving the old output aside and the new one in
+    assert len(hidden_entries(tmp_path)) == 2  # the old output, aside, and the complete new one
+
+    with pytest.raises(FileExistsError, match="already exists"):  # no --force: the old output is back, untouched
+        convert_checkpoint(source, tmp_path / "dint", progress=False)
+    assert (tmp_path / "dint" / "keep.txt").read_text() == "mine"
+    assert hidden_entries(tmp_path) == set()
+
+
+@pytest.mark.parametrize("failing_rename", ["old-output-aside", "new-output-in"])
+def test_failed_force_replacement_keeps_the_old_output_and_leaves_no_hidden_folder(tmp_path, monkeypatch,
+                                                                                   failing_rename):
+    source = save_llama(tmp_path / "source")
+    (tmp_path / "dint").mkdir()
+    (tmp_path / "dint" / "keep.txt").write_text("mine")
+    rename, failed = os.rename, []
+
+    def failing(source_path, destination):
+        """Fails the first rename of the kind chosen (later ones, e.g. putting the old output back, succeed)."""
+        output = (tmp_path / "dint").absolute()
+        if failing_rename == "old-output-aside":
+            chosen = Path(source_path).absolute() == output
+        else:
+            chosen = Path(destination).absolute() == output
+        if chosen and not failed:
+            failed.append(source_path)
+            raise PermissionError(13, "Permission denied", str(source_path))
+        rename(source_path, destination)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(PermissionError):
+        convert_checkpoint(source, tmp_path / "dint", force=True, progress=False)
+    monkeypatch.setattr(os, "rename", rename)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dint", "source"]
+    assert sorted(path.name for path in (tmp_path / "dint").iterdir()) == ["keep.txt"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The CLI: one line on stderr and exit status 2 for every expected failure
+
+
+class UnpicklingPayload:
+    """Anything but tensors and plain containers: `torch.load(weights_only=True)` refuses to unpickle it."""
+
+
+def make_read_only(folder: Path) -> bool:
+    """Makes `folder` unwritable, for root too (the immutable attribute); False where this machine cannot."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    elif shutil.which("chattr") is not None:
+        subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+    try:
+        (folder / "probe").mkdir()
+    except OSError:
+        return True
+    (folder / "probe").rmdir()
+    return False
+
+
+def make_writable(folder: Path) -> None:
+    if os.geteuid() == 0 and shutil.which("chattr"):
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    folder.chmod(0o755)
+
+
+def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
+    """Prepares folder `root` for one failure case; returns (the CLI arguments, a phrase the error must contain),
+    or None where the case cannot be set up on this machine."""
+    root.mkdir()
+    source = root / "src"
+    if case == "pickle-checkpoint":
+        LlamaConfig(**TINY).save_pretrained(source)
+        torch.save({"model.norm.weight": UnpicklingPayload()}, source / "pytorch_model.bin")
+        return [str(source), str(root / "out")], "Weights only load failed"
+    if case == "truncated-safetensors":
+        save_llama(source)
+        weights = (source / "model.safetensors").read_bytes()
+        (source / "model.safetensors").write_bytes(weights[: len(weights) - 100])
+        return [str(source), str(root / "out")], "not a complete safetensors file"
+    if case == "output-under-a-file":
+        save_llama(source)
+        (root / "file.txt").write_text("a file")
+        return [str(source), str(root / "file.txt" / "sub" / "out")], "Cannot write the output directory"
+    if case == "read-only-output-folder":
+        save_llama(source)
+        (root / "read-only").mkdir()
+        if not make_read_only(root / "read-only"):
+            return None
+        return [str(source), str(root / "read-only" / "out")], "Cannot write the output directory"
+    if case == "invalid-config":
+        DintForCausalLM(DintConfig(**TINY, integral="none")).save_pretrained(source)
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps({**config, "integral": "sofmax"}))
+        return [str(source), str(root / "out")], "`integral` must be one of"
+    if case == "missing-source":
+        return [str(root / "no-such-model"), str(root / "out")], "does not exist"
+    if case == "unsupported-architecture":
+        source.mkdir()
+        (source / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        return [str(source), str(root / "out")], "Unsupported architecture"
+    if case == "unpairable-heads":
+        save_llama(source, num_attention_heads=3, num_key_value_heads=1)
+        return [str(source), str(root / "out")], "Cannot pair the heads"
+    if case == "existing-output":
+        save_llama(source)
+        (root / "out").mkdir()
+        return [str(source), str(root / "out")], "already exists"
+    if case == "output-is-source":
+        save_llama(source)
+        return [str(source), str(source), "--force"], "is the source checkpoint"
+    if case == "output-contains-source":
+        save_llama(source)
+        return [str(source), str(root), "--force"], "contains the source checkpoint"
+    if case == "output-inside-source":
+        save_llama(source)
+        return [str(source), str(source / "out")], "lies inside the source checkpoint"
+    raise AssertionError(case)
+
+
+CLI_FAILURES = [
+    "pickle-checkpoint",
+    "truncated-safetensors",
+    "output-under-a-file",
+    "read-only-output-folder",
+    "invalid-config",
+    "missing-source",
+    "unsupported-architecture",
+    "unpairable-heads",
+    "existing-output",
+    "output-is-source",
+    "output-contains-source",
+    "output-inside-source",
+]
+
+
+def run_processes(commands: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
+    """Runs the commands, `PARALLEL_PROCESSES` at a time; returns their results by name."""
+    results, pending, running = {}, list(commands.items()), {}
+    while pending or running:
+        while pending and len(running) < PARALLEL_PROCESSES:
+            name, command = pending.pop(0)
+            running[name] = (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                        text=True))
+        name = next(iter(running))
+        command, process = running.pop(name)
+        stdout, stderr = process.communicate(timeout=300)
+        results[name] = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Every CLI case of this module, run once: {case: (result, expected phrase, snapshots before and after)},
+    plus the stderr of a bare import of the package (what this environment prints before any converter code)."""
+    root = tmp_path_factory.mktemp("cli")
+    cases = {case: cli_case(case, root / case) for case in CLI_FAILURES}
+    success_source = save_llama(root / "success" / "src")
+    commands = {case: CLI + arguments for case, (arguments, _) in ((c, v) for c, v in cases.items() if v)}
+    commands["success"] = CLI + [str(success_source), str(root / "success" / "out")]
+    commands["import-only"] = [sys.executable, "-c", "import modeling_dint.conversion"]
+    snapshots_before = {case: tree_snapshot(root / case) for case in commands if (root / case).is_dir()}
+    try:
+        results = run_processes(commands)
+        runs = {}
+        for case, result in results.items():
+            after = tree_snapshot(root / case) if (root / case).is_dir() else None
+            phrase = cases[case][1] if cases.get(case) else None
+            runs[case] = (result, phrase, snapshots_before.get(case), after)
+    finally:  # an immutable folder could not be removed with the temporary folders
+        make_writable(root / "read-only-output-folder" / "read-only")
+    return runs
+
+
+@pytest.mark.parametrize("case", CLI_FAILURES)
+def test_cli_expected_failure_is_one_line_on_stderr_and_status_2(cli_runs, case):
+    if case not in cli_runs:
+        pytest.skip(f"{case}: cannot make a folder unwritable on this machine")
+    result, phrase, before, after = cli_runs[case]
+    environment_lines = cli_runs["import-only"][0].stderr.splitlines()  # e.g. warnings of optional packages
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(lines) == len(environment_lines) + 1, result.stderr
+    assert lines[-1].startswith("dint-convert: error: ") and phrase in lines[-1], lines[-1]
+    assert after == before  # nothing written, nothing removed
+
+
+def test_cli_prints_no_empty_progress_bar(cli_runs):
+    result = cli_runs["success"][0]
+    assert result.returncode == 0, result.stderr
+    assert "Converting tensors" in result.stderr  # the converter's own bar stays
+    assert "Writing model shards" not in result.stderr
