@@ -1,7 +1,7 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The main job: train a small DINT Transformer on Shakespeare and ship it in Hub format, all on a CPU.
 
-    python examples/main_job.py            # 3-5 minutes on a CPU: writes outputs/dint-tiny
+    python examples/main_job.py            # ~6 minutes on one CPU thread: writes outputs/dint-tiny
     python examples/main_job.py --quick    # ~30-45 s smoke run (what tests/test_main_job.py runs)
 
 The default run is the reference run: besides outputs/dint-tiny/metrics.json it writes its numbers to

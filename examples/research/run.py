@@ -33,10 +33,11 @@ import numpy as np
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM
 from modeling_dint.modeling_dint import dint_attention_map
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
