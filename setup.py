@@ -1,7 +1,8 @@
 """Install the DINT Transformer integration for Hugging Face transformers.
 
-The CPU path never pulls a CUDA build of torch by accident: install `torch==2.13.0` (or the build you want) first;
-the range below is satisfied by it and installs nothing more.
+The CPU path never pulls a CUDA build of torch by accident: install torch's CPU build first (the README's command,
+`pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu`, or the build you want); the
+range below is satisfied by it and installs nothing more.
 """
 
 from setuptools import setup

@@ -14,8 +14,9 @@ transformers' DiffLlama and Llama, and measures in one run:
 4. the tensor ops each model dispatches per step (`count_ops.py`): what a launch-bound GPU pays per op.
 
 Writes `results.json` (raw samples, machine, versions), `results.md` (ratio and absolute tables) and `results.png`
-to `--output-dir` (default `bench/results/<device>_<dtype>/`). Run `python bench/run_benchmark.py --quick` for a
-one-to-two-minute smoke run; `--help` lists the knobs.
+to `--output-dir` (default `bench/results/<device>_<dtype>/`, the committed results; with `--quick`,
+`outputs/bench/<device>_<dtype>_quick/`). Run `python bench/run_benchmark.py --quick` for a one-to-two-minute smoke
+run; `--help` lists the knobs.
 """
 
 import argparse
@@ -77,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     parser.add_argument("--quick", action="store_true", help="small lengths, 1 repetition: a 1-2 minute smoke run")
-    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--output-dir", default=None,
+                        help="default: bench/results/<device>_<dtype>; with --quick outputs/bench/<device>_<dtype>_quick")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -105,7 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eager_max_len = 0 if is_cuda else 4096
     args.max_positions = max(args.seq_lens + [p + (args.decode_warmup + args.decode_blocks) * args.decode_block + 1 for p in args.prompt_lens])
     if args.output_dir is None:
-        args.output_dir = os.path.join(BENCH_DIR, "results", f"{args.device.split(':')[0]}_{args.dtype}")
+        run_name = f"{args.device.split(':')[0]}_{args.dtype}"
+        # --quick (a smoke run) must not overwrite the committed results the READMEs link: outputs/ is git-ignored.
+        args.output_dir = (
+            os.path.join("outputs", "bench", f"{run_name}_quick") if args.quick
+            else os.path.join(BENCH_DIR, "results", run_name)
+        )
     return args
 
 

@@ -7,9 +7,10 @@ import argparse
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tokenizer")

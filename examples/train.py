@@ -18,6 +18,9 @@ The same script runs on one process and, unchanged, under Accelerate on several 
     python examples/train.py --output_dir runs/tiny --max_steps 400 --resume_from_checkpoint last
 
 Every `TrainingArguments` field is a flag (--learning_rate, --save_steps, --bf16, --activation_checkpointing, ...).
+Defaults that differ from Trainer's are the main job's recipe (`TRAINING_RECIPE` in examples/main_job.py): batch 8,
+learning rate 3e-3 with a cosine schedule and 5% warm-up, weight decay 0.1, gradient clipping at 1, and a loss line
+every 2% of the steps beside the progress bar; any flag you pass overrides them.
 The text is tokenized whole and cut into blocks of `--block_size` tokens (plays run on across block boundaries);
 the model comes from a preset of `modeling_dint` (`--preset`, sized to the tokenizer) or from `--model_name_or_path`.
 At the end the model and tokenizer are saved to `--output_dir`, loadable with `AutoModelForCausalLM.from_pretrained`.
@@ -30,6 +33,9 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+
+# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
+from modeling_dint import DintConfig, DintForCausalLM
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -41,7 +47,9 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
-from modeling_dint import DintConfig, DintForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from main_job import TRAINING_RECIPE  # noqa: E402  (the main job's optimizer, schedule and logging)
 
 
 logger = logging.getLogger(__name__)
@@ -65,7 +73,7 @@ class ScriptArguments:
         default=None, metadata={"help": "A saved DINT model to fine-tune; by default a new model from --preset."}
     )
     preset: str = field(default="tiny", metadata={"help": "modeling_dint preset for a new model (e.g. tiny, 830m)."})
-    block_size: int = field(default=128, metadata={"help": "Tokens per training example."})
+    block_size: int = field(default=256, metadata={"help": "Tokens per training example (the main job's)."})
     max_train_chars: int | None = field(
         default=None, metadata={"help": "Read only the first N characters of each text file (quick runs)."}
     )
@@ -152,13 +160,22 @@ def save_final_model(trainer: Trainer, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def default_training_flags() -> list[str]:
+    """The main job's recipe as command-line flags, placed before the user's (argparse keeps the last value given)."""
+    flags = [f"--{name}={value}" for name, value in TRAINING_RECIPE.items()]
+    if not torch.accelerator.is_available():
+        flags.append("--dataloader_pin_memory=False")  # pinned memory needs an accelerator; torch warns without one
+    return flags
+
+
 def main(argv=None):
     if not torch.accelerator.is_available():
         # No GPU: run on CPU, also under `accelerate launch --multi_gpu` / FSDP (whose launcher does not pass `--cpu`
         # on): with this, Accelerate sets up CPU processes with the gloo backend instead of one process per GPU.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     parser = HfArgumentParser((ScriptArguments, TrainingArguments))
-    script_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    script_args, training_args = parser.parse_args_into_dataclasses(args=default_training_flags() + argv)
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         level=logging.INFO if training_args.process_index == 0 else logging.WARNING,

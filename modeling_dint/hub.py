@@ -3,7 +3,9 @@
 
     >>> from modeling_dint import push_dint_to_hub, save_dint_for_hub
     >>> save_dint_for_hub(model, "outputs/dint-tiny", tokenizer=tokenizer)     # weights, remote code, tokenizer, card
-    >>> push_dint_to_hub(model, tokenizer, "my-name/dint-tiny")                 # the same files, in one commit
+    >>> push_dint_to_hub(model, "my-name/dint-tiny", tokenizer=tokenizer)       # the same files, in one commit
+
+Both take (model, where, tokenizer=None, **card options), in that order.
 
 The folder (or repo) holds `model.safetensors`, `config.json` with an `auto_map`, the remote-code files
 `configuration_dint.py`, `modeling_dint.py` and `cache_dint.py`, the tokenizer files and `README.md`, so that
@@ -187,8 +189,8 @@ def save_dint_for_hub(model, save_directory: str | os.PathLike, tokenizer=None, 
 
 def push_dint_to_hub(
     model,
-    tokenizer,
     repo_id: str,
+    tokenizer=None,
     *,
     commit_message: str = "Upload DINT model",
     private: bool | None = None,
@@ -197,7 +199,7 @@ def push_dint_to_hub(
     create_pr: bool = False,
     **card_kwargs,
 ):
-    """Pushes a DINT model, its tokenizer (None to skip) and its generated model card to `repo_id`, in one commit.
+    """Pushes a DINT model, its tokenizer (if given) and its generated model card to `repo_id`, in one commit.
 
     The same files as `save_dint_for_hub`; `card_kwargs` go to `dint_model_card` (its `repo_id` defaults to this
     one). The Hub endpoint and token are huggingface_hub's (`HF_ENDPOINT`, `HF_TOKEN`, `hf auth login`).
@@ -211,6 +213,12 @@ def push_dint_to_hub(
     Returns:
         `huggingface_hub.CommitInfo`: `.oid` is the new commit's sha, to pin with `from_pretrained(revision=...)`.
     """
+    if not isinstance(repo_id, str) and isinstance(tokenizer, str):
+        raise TypeError(
+            f"push_dint_to_hub takes (model, repo_id, tokenizer=None), as save_dint_for_hub takes (model, "
+            f"save_directory, tokenizer=None); got a {type(repo_id).__name__} as repo_id and the string {tokenizer!r} "
+            "as tokenizer (the argument order of version 0.1.0 before this change): swap them."
+        )
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     card_kwargs.setdefault("repo_id", repo_id)

@@ -321,6 +321,27 @@ DINT_AUTO_MAP = {
 """The `auto_map` that `save_pretrained` writes, so every Auto class loads a saved DINT with `trust_remote_code`."""
 
 
+def check_tensor_parallel_size(config: DintConfig, tp_size: int) -> None:
+    """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard `config` over
+    `tp_size` processes: each rank needs whole differential heads, so `tp_size` must divide
+    `num_key_value_heads / 2`, and the plan shards no attention bias."""
+    kv_head_pairs = config.num_key_value_heads // 2
+    if kv_head_pairs % tp_size != 0:
+        allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
+        raise ValueError(
+            f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: the number of processes must "
+            f"divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads={config.num_key_value_heads}), so "
+            f"that each rank holds whole differential heads (a signal map, its noise map and both halves of their V). "
+            f"Allowed: {allowed}."
+        )
+    if config.attention_bias:
+        raise ValueError(
+            "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "
+            "q/k/v shards a bias contiguously (it would split signal and noise maps apart). Allowed: "
+            "attention_bias=False."
+        )
+
+
 @auto_docstring
 class DintPreTrainedModel(PreTrainedModel):
     config: DintConfig
@@ -356,11 +377,27 @@ class DintPreTrainedModel(PreTrainedModel):
             init.normal_(module.lambda_q2, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_k2, 0, self.config.lambda_std_dev)
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """As `PreTrainedModel.maybe_distribute_model` (what `from_pretrained(tp_plan="auto")` calls before it loads
+        the weights), after checking that DINT's tensor-parallel plan can shard this config."""
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        if mesh_manager is not None and tp_size > 1:
+            check_tensor_parallel_size(model.config, tp_size)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As `PreTrainedModel.save_pretrained`; the config's `auto_map` names every DINT class, so that each Auto
-        class loads the saved model with `trust_remote_code=True` where this package is not installed."""
+        class loads the saved model with `trust_remote_code=True` where this package is not installed. The saved
+        config has `use_cache: true` whatever the model's is now: Trainer turns the cache off while it trains, and a
+        saved model is for generation and `torch.export` (which refuses a config without caching)."""
         self.config.auto_map = {**DINT_AUTO_MAP, **(getattr(self.config, "auto_map", None) or {})}
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        use_cache = self.config.use_cache
+        self.config.use_cache = True
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.config.use_cache = use_cache
 
 
 @auto_docstring

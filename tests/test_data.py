@@ -59,9 +59,9 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.pad_token == "<|pad|>"
     assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
-    # Padding a batch uses the pad id, and the special tokens encode to single ids.
+    # Padding a batch uses the pad id, on the left (batched generation), and the special tokens encode to single ids.
     batch = tokenizer(["Who's there?", "Nay, answer me: stand, and unfold yourself."], padding=True)
-    assert tokenizer.pad_token_id in batch["input_ids"][0]
+    assert tokenizer.padding_side == "left" and batch["input_ids"][0][0] == tokenizer.pad_token_id
     assert tokenizer("<|endoftext|>")["input_ids"] == [tokenizer.eos_token_id]
 
 

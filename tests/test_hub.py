@@ -93,7 +93,7 @@ def greedy():
         tokens = model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokens[0].tolist()
 
-first = push_dint_to_hub(model, tokenizer, "test-org/dint-tiny", training_summary="Random weights (test).")
+first = push_dint_to_hub(model, "test-org/dint-tiny", tokenizer=tokenizer, training_summary="Random weights (test).")
 save_file(model.state_dict(), out_dir + "/first.safetensors")
 first_tokens = greedy()
 with torch.no_grad():

@@ -22,6 +22,8 @@ def test_main_job_quick(tmp_path):
     )
     assert result.returncode == 0, f"main_job failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "Next steps:" in result.stdout and str(output_dir.resolve()) in result.stdout
+    assert "reference run" not in result.stdout  # --quick leaves examples/main_job_results/metrics.json alone
+    assert "Failed to load" not in result.stdout + result.stderr  # no torchao import noise
 
     files = set(os.listdir(output_dir))
     assert {
@@ -37,6 +39,8 @@ def test_main_job_quick(tmp_path):
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["heldout_perplexity_after"] < 0.8 * metrics["heldout_perplexity_before"]
     assert metrics["reload_max_logit_difference"] == 0.0
+    # Step 6 reloaded it in a process where `import modeling_dint` fails: the class is the remote code's.
+    assert metrics["reloaded_class"].startswith("transformers_modules.") and metrics["threads"] == 1
     assert metrics["sample"].startswith("MACBETH.")
 
     card = (output_dir / "README.md").read_text()

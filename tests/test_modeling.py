@@ -201,7 +201,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model = tiny_model()
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         gradients.append({name: p.grad for name, p in model.named_parameters()})
     for name, gradient in gradients[0].items():

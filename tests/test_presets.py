@@ -40,10 +40,10 @@ def test_paper_preset_parameter_count_matches_its_name(name):
     embedding = config.vocab_size * config.hidden_size
     if name == "3b":
         # Table 1's 3B configuration holds 3.48B parameters with its 308M-parameter embedding (the papers round it
-        # down to "3B", like the 3B baselines they compare with); without the embedding it is 3.17B.
-        assert abs(total - embedding - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.10, total
+        # down to "3B", like the 3B baselines they compare with); without the embedding it is 3.17B (+5.7%).
+        assert abs(total - embedding - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.06, total
     else:
-        assert abs(total - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.10, total
+        assert abs(total - PAPER_SIZES[name]) / PAPER_SIZES[name] < 0.03, total  # the README's "within 3%"
     # DINT adds no parameters to DIFF: per layer q/k/v/o, SwiGLU, two norms, 4 lambda vectors, the head norm.
     hidden, ffn, d = config.hidden_size, config.intermediate_size, config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

@@ -177,6 +177,7 @@ def build_tokenizer(train_path, out_dir):
         eos_token=EOS_TOKEN,
         unk_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        padding_side="left",  # batched generation with a decoder-only model needs the prompts' ends aligned
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     )

@@ -33,14 +33,17 @@ import numpy as np
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM, dint_attention_map
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "examples" / "data"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+QUICK_OUT = Path("outputs") / "research-quick"
+"""Where --quick writes by default: outputs/ is git-ignored (relative to the working directory, like the main job)."""
 
 ARCHITECTURES = ("transformer", "diff", "dint")
 ABLATIONS = {
@@ -767,7 +770,11 @@ def all_numbers_finite(value) -> bool:
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: the whole pipeline in < 3 minutes")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help=f"results folder (default: {DEFAULT_OUT.relative_to(REPO_ROOT)}, the committed report; with --quick "
+        f"{QUICK_OUT})",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help="training seeds (default: 0 1 2)")
     parser.add_argument(
         "--ablations", type=str, help=f"comma-separated subset of {','.join(ABLATIONS)} ('' for none; default: all)"
@@ -778,6 +785,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    if args.out is None:  # a --quick run must not overwrite the committed report the README links
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     settings = quick_settings() if args.quick else Settings()
     if args.seeds is not None:
         settings.seeds = tuple(args.seeds)

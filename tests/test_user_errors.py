@@ -1,0 +1,84 @@
+"""Where a newcomer goes wrong (issue 21): saved models are ready for generation and export, tensor parallelism
+states its rule before it shards anything, the Hub helpers take their arguments in the same order, and importing
+the package prints nothing."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from dint_testing import tiny_model
+
+from modeling_dint import DintForCausalLM, push_dint_to_hub
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+
+
+def test_saved_config_enables_the_cache_without_changing_the_model(tmp_path):
+    model = tiny_model()
+    model.config.use_cache = False  # what Trainer leaves behind
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False  # a checkpoint saved mid-training does not turn the cache on in training
+    assert DintForCausalLM.from_pretrained(tmp_path).config.use_cache is True
+
+
+def test_tensor_parallel_size_that_splits_differential_heads_is_refused_before_sharding():
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    model = tiny_model(num_attention_heads=4, num_key_value_heads=2)  # num_key_value_heads / 2 = 1
+    with pytest.raises(ValueError, match=r"over 2 processes.*divide num_key_value_heads / 2 = 1 .*Allowed: \[1\]"):
+        # What from_pretrained(tp_plan="auto") calls before it shards; nothing is sharded when this raises.
+        DintForCausalLM.maybe_distribute_model(model, DistributedConfig(tp_size=2), mesh_manager=object())
+    biased = tiny_model(num_attention_heads=8, num_key_value_heads=4, attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        DintForCausalLM.maybe_distribute_model(biased, DistributedConfig(tp_size=2), mesh_manager=object())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_two_processes_on_a_model_with_one_kv_head_pair_fail_with_the_rule(tmp_path):
+    tiny_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path / "checkpoint")
+    torch.save({"input_ids": torch.randint(2, 128, (1, 8)), "new_tokens": 2}, tmp_path / "inputs.pt")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        os.path.join(TESTS_DIR, "tp_worker.py"),
+        str(tmp_path / "checkpoint"), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), "dint",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ,
+                            "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "must divide num_key_value_heads / 2 = 1" in result.stderr
+    assert "not enough values to unpack" not in result.stderr
+
+
+def test_push_dint_to_hub_refuses_the_old_argument_order_before_any_network_call():
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"push_dint_to_hub takes \(model, repo_id, tokenizer=None\)"):
+        push_dint_to_hub(model, object(), "my-name/dint-tiny")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-c", "import modeling_dint"],
+        [sys.executable, "-m", "modeling_dint.conversion", "--help"],
+    ],
+    ids=["import", "dint-convert-help"],
+)
+def test_import_and_cli_help_print_no_warnings(command):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr == ""
+    assert "Failed to load" not in result.stdout and "Enum subclass" not in result.stdout
