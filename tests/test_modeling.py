@@ -137,7 +137,7 @@ def test_save_pretrained_writes_remote_code(tmp_path):
     assert config["auto_map"]["AutoConfig"] == "configuration_dint.DintConfig"
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dint.DintForCausalLM"
     assert config["auto_map"]["AutoModelForSequenceClassification"] == "modeling_dint.DintForSequenceClassification"
-    for name in ("configuration_dint.py", "modeling_dint.py", "cache_dint.py"):
+    for name in ("configuration_dint.py", "modeling_dint.py", "integral_dint.py", "cache_dint.py"):
         assert (tmp_path / name).exists(), name
 
 
