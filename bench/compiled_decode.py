@@ -116,9 +116,10 @@ def main(argv=None) -> None:
         other: statistics.median(d / o for d, o in zip(samples["dint_fast"], samples[other]))
         for other in ("diffllama", "llama")
     }
+    machine = bench_common.machine_info(args.device)
     results = {
         "args": vars(args),
-        "machine": bench_common.machine_info(args.device),
+        "machine": machine,
         "decode_seconds_per_token": {name: summarize(samples[name]) for name in MODELS},
         "compiled_graphs_at_warm_up": graphs,
         "graphs_compiled_while_timing": recompiled_graphs,
@@ -132,7 +133,9 @@ def main(argv=None) -> None:
         "",
         f"Command: `python bench/compiled_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
         "",
-        f"Machine: {results['machine'].get('cpu', args.device)}, torch {torch.__version__}; batch {args.batch_size} "
+        f"Machine: {machine.get('gpu') or machine['processor']} ({machine['torch_threads']} threads, load average "
+        f"{machine['load_average_1_5_15']} at the start), torch {torch.__version__}, transformers "
+        f"{machine['transformers']}, commit {machine['git_commit']}; batch {args.batch_size} "
         f"(rows 2.. left-padded), prompt {args.prompt_len}, {args.new_tokens} decoded tokens per repetition, "
         f"{args.repeats} repetitions, {args.dtype}, hidden {args.hidden_size}, {args.num_layers} layers.",
         "",
