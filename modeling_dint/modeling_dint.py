@@ -131,6 +131,12 @@ def create_dint_masks(
     return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
 
 
+def default_position_ids(inputs_embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor:
+    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
+    past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
+
+
 class _DenseMaskConfig:
     """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
     The materializing path needs that mask whatever backend the model uses for its fast path."""
@@ -441,11 +447,9 @@ class DintModel(DintPreTrainedModel):
         if past_key_values is not None:
             check_dint_cache(past_key_values, self.config)
 
-        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         given_position_ids = position_ids
         if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
+            position_ids = default_position_ids(inputs_embeds, past_key_values)
 
         if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
             masks = attention_mask  # prepared by generate() (create_masks_for_generate) for a compiled step
@@ -534,8 +538,7 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
         """What generate() calls, for a compileable (static) cache, to build the step's masks before the forward: the
         DINT masks (`create_dint_masks`), whose shapes do not change from one decoding step to the next."""
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
+            position_ids = default_position_ids(inputs_embeds, past_key_values)
         return create_dint_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
 
 
