@@ -41,12 +41,16 @@ from .modeling_dint import (
 )
 
 
+from .serving import enable_continuous_batching
+
+
 AutoConfig.register(DintConfig.model_type, DintConfig, exist_ok=True)
 AutoModel.register(DintConfig, DintModel, exist_ok=True)
 AutoModelForCausalLM.register(DintConfig, DintForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(DintConfig, DintForSequenceClassification, exist_ok=True)
 AutoModelForTokenClassification.register(DintConfig, DintForTokenClassification, exist_ok=True)
 AutoModelForQuestionAnswering.register(DintConfig, DintForQuestionAnswering, exist_ok=True)
+enable_continuous_batching()
 
 __version__ = "0.1.0"
 

@@ -259,12 +259,15 @@ class DintAttention(nn.Module):
             return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document ---
-        carry = cache_layer.integral_carry("signal_sum") if cache_layer is not None else None
-        running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
-        if cache_layer is not None:
-            cache_layer.update_integral(
-                self.integral, integral_layout.running_query_count, running_signal_sum.transpose(1, 2)
-            )
+        if getattr(cache_layer, "carries_requests", False):  # serving hook: continuous batching (serving.py)
+            running_signal_sum = cache_layer.running_signal_sum(signal_output, integral_layout)
+        else:
+            carry = cache_layer.integral_carry("signal_sum") if cache_layer is not None else None
+            running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
+            if cache_layer is not None:
+                cache_layer.update_integral(
+                    self.integral, integral_layout.running_query_count, running_signal_sum.transpose(1, 2)
+                )
         # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
         noise_minus_integral = torch.addcmul(
             noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1
@@ -442,9 +445,17 @@ class DintModel(DintPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
+        # --- serving hook: continuous batching passes its paged cache as `cache`; modeling_dint/serving.py gives it a
+        # DINT step, which stands in for the cache (K/V written once, each request's integral carried) and the layout.
+        integral_layout = None
+        paged_step = getattr(kwargs.get("cache"), "dint_paged_step", None)
+        if paged_step is not None:
+            past_key_values, integral_layout, kwargs = paged_step(self.config, position_ids, kwargs)
+        # --- end of serving hook ---
+
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:
+        if past_key_values is not None and paged_step is None:  # (serving hook: `and paged_step is None`)
             check_dint_cache(past_key_values, self.config)
 
         given_position_ids = position_ids
@@ -457,10 +468,11 @@ class DintModel(DintPreTrainedModel):
             masks = create_dint_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
         causal_mask = masks[DINT_LAYER_TYPE]
 
-        query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
-        integral_layout = self.integral_layout(
-            inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q
-        )
+        if integral_layout is None:  # (serving hook: a continuous-batching step brings its own layout)
+            query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
+            integral_layout = self.integral_layout(
+                inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q
+            )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

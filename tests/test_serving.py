@@ -1,0 +1,183 @@
+"""Continuous batching (`generate_batch`, the continuous-batching manager): each request gets exactly what it gets
+alone, and the transformers internals the integration depends on (modeling_dint/serving.py) are what it was written
+against."""
+
+import inspect
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+from dint_testing import tiny_model
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import cache as continuous_batching_cache
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
+
+from modeling_dint import serving
+
+
+NEW_TOKENS = 10
+PROMPT_LENGTHS = (5, 17, 3, 40, 9, 70, 1, 33)
+
+
+def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 128, (length,), generator=generator).tolist() for length in lengths]
+
+
+def small_cache(**overrides) -> ContinuousBatchingConfig:
+    """Pages of 8 tokens (requests span many blocks), at most 24 tokens and 3 requests per step: prompts longer than
+    24 tokens are prefilled in chunks, and requests wait, then join while others decode."""
+    fields = dict(page_size=8, num_blocks=96, max_batch_tokens=24, max_requests_per_batch=3, return_logprobs=True)
+    fields.update(overrides)
+    return ContinuousBatchingConfig(**fields)
+
+
+def greedy_config(**overrides) -> GenerationConfig:
+    fields = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    fields.update(overrides)
+    return GenerationConfig(**fields)
+
+
+def serving_model(integral: str = "mean", **overrides):
+    """A tiny DINT whose next-token distributions are far from uniform (larger initial weights), so that greedy
+    tokens vary along a sequence."""
+    return tiny_model(integral=integral, initializer_range=0.3, **overrides)
+
+
+def assert_logprobs_match_full_forward(model, prompt_ids, generated_tokens, logprobs):
+    """Each generated token's log-probability equals the one a single forward pass over the request's own tokens
+    gives it (the acceptance equation of the cache, per request). fp32; the tolerance covers the different reduction
+    orders of a flattened step (a LlamaForCausalLM of the same size is off by 7e-6 under continuous batching)."""
+    sequence = torch.tensor([prompt_ids + generated_tokens])
+    with torch.no_grad():
+        full_logprobs = model(sequence).logits[0].float().log_softmax(-1)
+    prompt_length = len(prompt_ids)
+    expected = full_logprobs[prompt_length - 1 : -1].gather(-1, torch.tensor(generated_tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=5e-5, rtol=1e-5)
+
+
+def generate_alone(model, prompt_ids, generation_config):
+    return model.generate(torch.tensor([prompt_ids]), generation_config=generation_config)[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("integral", ["mean", "none"])
+def test_generate_batch_equals_generate_per_request(integral):
+    """Requests of different lengths, more than fit one step, long prompts prefilled in chunks: each request's
+    greedy tokens are those of its own generate(), and its log-probabilities those of a full forward."""
+    model = serving_model(integral)
+    prompts = random_prompts()
+    outputs = model.generate_batch(inputs=prompts, generation_config=greedy_config(), continuous_batching_config=small_cache())
+    assert len(outputs) == len(prompts)
+    for output in outputs.values():
+        assert output.error is None
+        assert output.generated_tokens == generate_alone(model, output.prompt_ids, greedy_config())
+        assert_logprobs_match_full_forward(model, output.prompt_ids, output.generated_tokens, output.logprobs)
+    # The greedy tokens vary (the check above is not passed by a constant prediction)
+    assert len({token for output in outputs.values() for token in output.generated_tokens}) > 5
+
+
+def test_generate_batch_without_carry_differs():
+    """The control for the test above: a step that drops each request's carried integral gives other
+    log-probabilities, so the equality checks the carry."""
+    model = serving_model("mean")
+    prompts = random_prompts(lengths=(30, 12))
+    original_init = serving.DintPagedStep.__init__
+
+    def init_without_carry(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.carry_rows = None
+
+    serving.DintPagedStep.__init__ = init_without_carry
+    try:
+        outputs = model.generate_batch(prompts, generation_config=greedy_config(), continuous_batching_config=small_cache())
+    finally:
+        serving.DintPagedStep.__init__ = original_init
+    output = outputs[next(iter(outputs))]
+    with pytest.raises(AssertionError):
+        assert_logprobs_match_full_forward(model, output.prompt_ids, output.generated_tokens, output.logprobs)
+
+
+def test_requests_arriving_while_others_decode():
+    """The continuous-batching manager: requests added while earlier ones decode each get their own generate()."""
+    model = serving_model("mean")
+    prompts = random_prompts()
+    manager = model.init_continuous_batching(generation_config=greedy_config(), continuous_batching_config=small_cache())
+    manager.start()
+    try:
+        first_ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts[:3]]
+        first_result = manager.get_result(request_id=first_ids[0], timeout=60)  # the others are mid-decode now
+        later_ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts[3:]]
+        results = {first_ids[0]: first_result}
+        for request_id in first_ids[1:] + later_ids:
+            results[request_id] = manager.get_result(request_id=request_id, timeout=60)
+    finally:
+        manager.stop(block=True, timeout=30)
+    for request_id, prompt in zip(first_ids + later_ids, prompts):
+        result = results[request_id]
+        assert result.prompt_ids == prompt
+        assert result.generated_tokens == generate_alone(model, prompt, greedy_config())
+
+
+def test_sampling_with_a_seed():
+    """Sampling: one request with a seed draws the tokens generate() draws from the same seed; a batch's sampled
+    tokens have the log-probabilities of a full forward over each request, and the same seed gives the same tokens."""
+    model = serving_model("mean")
+    sampling = greedy_config(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    prompt = random_prompts(lengths=(11,))[0]
+    single = model.generate_batch([prompt], generation_config=sampling, continuous_batching_config=small_cache(seed=7))
+    torch.manual_seed(7)
+    assert next(iter(single.values())).generated_tokens == generate_alone(model, prompt, sampling)
+
+    prompts = random_prompts()
+    runs = [
+        model.generate_batch(prompts, generation_config=sampling, continuous_batching_config=small_cache(seed=3))
+        for _ in range(2)
+    ]
+    for request_id, output in runs[0].items():
+        assert output.generated_tokens == runs[1][request_id].generated_tokens
+        assert_logprobs_match_full_forward(model, output.prompt_ids, output.generated_tokens, output.logprobs)
+
+
+def test_parallel_samples_fork_the_integral_state():
+    """num_return_sequences > 1 forks a request's blocks after its prefill: each child's sampled tokens have the
+    log-probabilities of a full forward over its own tokens."""
+    model = serving_model("mean")
+    sampling = greedy_config(do_sample=True, top_k=0, num_return_sequences=3)
+    outputs = model.generate_batch(random_prompts(lengths=(13, 6)), generation_config=sampling, continuous_batching_config=small_cache(seed=5))
+    assert len(outputs) == 6
+    for output in outputs.values():
+        assert_logprobs_match_full_forward(model, output.prompt_ids, output.generated_tokens, output.logprobs)
+
+
+def test_softmax_integral_refuses_continuous_batching_clearly():
+    model = serving_model("softmax")
+    outputs = model.generate_batch(random_prompts(lengths=(4,)), generation_config=greedy_config(), continuous_batching_config=small_cache())
+    assert "integral='softmax'" in next(iter(outputs.values())).error
+
+
+def test_transformers_internals_are_those_serving_was_written_for():
+    """Fails loudly when transformers changes what modeling_dint/serving.py relies on: then re-read the internals
+    listed in `serving.TRANSFORMERS_INTERNALS` and port the module."""
+    assert serving.WRITTEN_FOR_TRANSFORMERS == ".".join(transformers.__version__.split(".")[:2]), (
+        f"serving.py was written for transformers {serving.WRITTEN_FOR_TRANSFORMERS}; {transformers.__version__} is "
+        "installed: check every entry of serving.TRANSFORMERS_INTERNALS, then update WRITTEN_FOR_TRANSFORMERS."
+    )
+    assert continuous_batching_cache.ATTN_TYPE_TO_ALLOCATOR["dint_attention"] is serving.DintPagedCacheAllocator
+    assert continuous_batching_cache.PagedAttentionCache.__init__ is serving._init_paged_cache_with_dint
+    assert list(inspect.signature(serving._original_paged_cache_init).parameters)[:3] == ["self", "config", "continuous_batching_config"]
+    assert list(inspect.signature(continuous_batching_cache.PagedAttentionCache.update).parameters) == [
+        "self", "key_states", "value_states", "layer_idx", "kwargs"
+    ]
+    assert list(inspect.signature(FullAttentionCacheAllocator.__init__).parameters) == [
+        "self", "index", "config", "num_key_value_heads", "cache_dtype", "page_size", "layer_indices", "allow_block_sharing"
+    ]
+    for name in ("register_cache_tensor", "copy_blocks", "update"):
+        assert callable(getattr(FullAttentionCacheAllocator, name))
+    assert FullAttentionCacheAllocator.layer_type == FULL_ATTENTION == "full_attention"
+    # The step inputs DintPagedStep reads
+    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+    for name in ("cache", "read_index", "write_index", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "block_table"):
+        assert name in PagedAttentionArgs.__annotations__
