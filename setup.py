@@ -38,6 +38,13 @@ setup(
         "eval": ["lm-eval==0.4.13"],
         # reading GGUF checkpoints (examples/convert_smollm2.py)
         "gguf": ["gguf==0.19.0"],
+        # `dint-serve` (transformers' OpenAI-compatible server), its tests and bench/serve_load.py
+        "serve": ["transformers[serving]>=5.23.0,<6", "openai==3.54.0", "fastapi==0.165.0", "uvicorn==0.54.0"],
     },
-    entry_points={"console_scripts": ["dint-convert=modeling_dint.conversion.__main__:main"]},
+    entry_points={
+        "console_scripts": [
+            "dint-convert=modeling_dint.conversion.__main__:main",
+            "dint-serve=modeling_dint.serve_cli:main",
+        ]
+    },
 )

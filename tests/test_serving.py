@@ -181,3 +181,27 @@ def test_transformers_internals_are_those_serving_was_written_for():
 
     for name in ("cache", "read_index", "write_index", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "block_table"):
         assert name in PagedAttentionArgs.__annotations__
+
+
+def test_prefix_sharing_reuses_the_integral_state_of_shared_blocks():
+    """A request whose prompt starts with the blocks of an earlier request reads their K/V and their integral state
+    instead of recomputing them, and still gets its own generate()."""
+    model = serving_model("mean")
+    shared_prefix = random_prompts(lengths=(27,))[0]
+    prompts = [shared_prefix + [5, 6, 7], shared_prefix + [9, 10]]
+    manager = model.init_continuous_batching(generation_config=greedy_config(), continuous_batching_config=small_cache())
+    manager.start()
+    try:
+        results = []
+        for prompt in prompts:  # one after the other: the first request's complete blocks are cached when the second comes
+            request_id = manager.add_request(prompt, max_new_tokens=NEW_TOKENS)
+            results.append(manager.get_result(request_id=request_id, timeout=60))
+        cache = manager.batch_processor.cache
+        assert cache.use_prefix_sharing
+        shared_tokens = cache.search_prefix_match("probe", prompts[1])
+        assert shared_tokens == 24  # three complete pages of 8 tokens
+    finally:
+        manager.stop(block=True, timeout=30)
+    for prompt, result in zip(prompts, results):
+        assert result.generated_tokens == generate_alone(model, prompt, greedy_config())
+        assert_logprobs_match_full_forward(model, prompt, result.generated_tokens, result.logprobs)

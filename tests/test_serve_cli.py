@@ -1,0 +1,156 @@
+"""`dint-serve` (transformers' own OpenAI-compatible server for DINT), started on 127.0.0.1 and driven with the
+official `openai` client, with and without continuous batching. Needs the serving extra (`.[serve]`)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from dint_testing import tiny_model
+
+
+openai = pytest.importorskip("openai", reason='the serving extra is not installed: pip install -e ".[serve]"')
+pytest.importorskip("fastapi", reason='the serving extra is not installed: pip install -e ".[serve]"')
+pytest.importorskip("uvicorn", reason='the serving extra is not installed: pip install -e ".[serve]"')
+
+from transformers import AutoTokenizer  # noqa: E402
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
+MAX_TOKENS = 12
+CHATS = [
+    [{"role": "user", "content": "To be, or not to be"}],
+    [{"role": "user", "content": "Now is the winter of our discontent"}],
+    [{"role": "system", "content": "You speak in verse."}, {"role": "user", "content": "Friends, Romans"}],
+    [{"role": "user", "content": "O Romeo"}, {"role": "assistant", "content": "wherefore"}, {"role": "user", "content": "art thou"}],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny DINT (integral "mean") saved with the repo's tokenizer and its chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    model = tiny_model(
+        integral="mean",
+        initializer_range=0.3,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    directory = tmp_path_factory.mktemp("dint-serve-model")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(model_dir: str, *flags: str, timeout: float = 180.0):
+    """Starts `dint-serve MODEL_DIR` on a free port; returns the process and its base URL once it answers."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(model_dir, "hub-cache"))
+    command = [sys.executable, "-m", "modeling_dint.serve_cli", model_dir, "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen([*command, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"dint-serve exited with {process.returncode}:\n{process.stdout.read()}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2):
+                return process, base_url
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"dint-serve did not answer within {timeout} s")
+
+
+@pytest.fixture(scope="module", params=["default", "continuous-batching"])
+def server(request, model_dir):
+    # A small paged cache: continuous batching would otherwise size it from the free memory (slow to allocate)
+    flags = ["--continuous-batching", "--cb-num-blocks", "64"] if request.param == "continuous-batching" else []
+    process, base_url = start_server(model_dir, *flags)
+    yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused"), model_dir
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """What generate() gives (greedy), from the same saved model and tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def complete(input_ids: list[int]) -> str:
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        return tokenizer.decode(output[0, len(input_ids) :], skip_special_tokens=True)
+
+    def chat(messages) -> str:
+        return complete(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+    def text(prompt: str) -> str:
+        return complete(tokenizer(prompt)["input_ids"])
+
+    return chat, text
+
+
+def chat_completion(client, model, messages, **kwargs):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **kwargs)
+
+
+def test_models_lists_the_served_model(server):
+    client, model = server
+    assert model in [entry.id for entry in client.models.list().data]
+
+
+def test_chat_completion_equals_generate(server, reference):
+    client, model = server
+    reference_chat, _ = reference
+    for messages in CHATS[:2]:
+        response = chat_completion(client, model, messages)
+        assert response.choices[0].message.content == reference_chat(messages)
+        assert response.usage.completion_tokens <= MAX_TOKENS
+
+
+def test_streaming_gives_the_non_streaming_text(server):
+    client, model = server
+    messages = CHATS[2]
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in chat_completion(client, model, messages, stream=True)
+        if chunk.choices
+    )
+    assert streamed == chat_completion(client, model, messages).choices[0].message.content
+
+
+def test_completion_equals_generate(server, reference):
+    client, model = server
+    _, reference_text = reference
+    prompt = "Once more unto the breach"
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].text == reference_text(prompt)
+
+
+def test_concurrent_clients_each_get_their_own_answer(server, reference):
+    client, model = server
+    reference_chat, _ = reference
+    with ThreadPoolExecutor(max_workers=len(CHATS)) as pool:
+        answers = list(pool.map(lambda messages: chat_completion(client, model, messages).choices[0].message.content, CHATS))
+    assert answers == [reference_chat(messages) for messages in CHATS]
+    assert len(set(answers)) > 1
