@@ -3,7 +3,8 @@
 
 Importing this package registers the model type `dint` with transformers' Auto classes (AutoConfig, AutoModel,
 AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-AutoModelForQuestionAnswering) and the DINT cache layers with the cache-layer mappings.
+AutoModelForQuestionAnswering), the DINT cache layers with the cache-layer mappings, and DINT's paged-cache allocator
+with continuous batching (`serving.py`).
 
 Import time is transformers' own (`python -X importtime -c "import modeling_dint"`, 2 shared cores: 3.6-5.0 s, of
 which torch is 1.0 s; importing the transformers modules the package uses, without it, takes 3.6-4.0 s): torch and
@@ -41,7 +42,6 @@ from .modeling_dint import (
 )
 
 
-from .serving import enable_continuous_batching
 
 
 AutoConfig.register(DintConfig.model_type, DintConfig, exist_ok=True)
@@ -50,7 +50,12 @@ AutoModelForCausalLM.register(DintConfig, DintForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(DintConfig, DintForSequenceClassification, exist_ok=True)
 AutoModelForTokenClassification.register(DintConfig, DintForTokenClassification, exist_ok=True)
 AutoModelForQuestionAnswering.register(DintConfig, DintForQuestionAnswering, exist_ok=True)
-enable_continuous_batching()
+try:  # continuous batching (generate_batch, `transformers serve --continuous-batching`): modeling_dint/serving.py
+    from .serving import enable_continuous_batching
+except ImportError:  # a transformers release whose continuous-batching modules moved: everything else still works
+    pass
+else:
+    enable_continuous_batching()
 
 __version__ = "0.1.0"
 

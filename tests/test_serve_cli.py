@@ -2,11 +2,7 @@
 official `openai` client, with and without continuous batching. Needs the serving extra (`.[serve]`)."""
 
 import os
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,6 +15,8 @@ pytest.importorskip("fastapi", reason='the serving extra is not installed: pip i
 pytest.importorskip("uvicorn", reason='the serving extra is not installed: pip install -e ".[serve]"')
 
 from transformers import AutoTokenizer  # noqa: E402
+
+from modeling_dint.serve_cli import start_dint_serve  # noqa: E402
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,37 +48,12 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(model_dir: str, *flags: str, timeout: float = 180.0):
-    """Starts `dint-serve MODEL_DIR` on a free port; returns the process and its base URL once it answers."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(model_dir, "hub-cache"))
-    command = [sys.executable, "-m", "modeling_dint.serve_cli", model_dir, "--host", "127.0.0.1", "--port", str(port)]
-    process = subprocess.Popen([*command, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"dint-serve exited with {process.returncode}:\n{process.stdout.read()}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2):
-                return process, base_url
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"dint-serve did not answer within {timeout} s")
-
-
 @pytest.fixture(scope="module", params=["default", "continuous-batching"])
 def server(request, model_dir):
     # A small paged cache: continuous batching would otherwise size it from the free memory (slow to allocate)
     flags = ["--continuous-batching", "--cb-num-blocks", "64"] if request.param == "continuous-batching" else []
-    process, base_url = start_server(model_dir, *flags)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(model_dir, "hub-cache"))
+    process, base_url = start_dint_serve(model_dir, *flags, env=env)
     yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused"), model_dir
     process.terminate()
     try:
