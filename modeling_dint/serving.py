@@ -141,7 +141,7 @@ class DintPagedLayer:
         if step.carry_rows is not None:
             carry = sums[step.carry_blocks, slot]  # [T, H/2, 2d]
             running_sum = running_sum + torch.where(step.carry_rows[:, None, None], carry, 0.0)[None]
-        sums[step.store_blocks, slot] = running_sum[0, step.store_rows]
+        sums[step.store_blocks, slot] = running_sum[0].to(sums.dtype)
         return running_sum
 
 
@@ -180,23 +180,24 @@ class DintPagedStep:
 
         group = allocator.index
         write_index = kwargs["write_index"][group][:num_rows]
-        # Store after each request's last row of the step, and after the last token of each block it completes
+        # Store after each request's last row of the step and after the last token of each block it completes; the
+        # other rows write into a trash block (no row selection: no host synchronization, CUDA-graph friendly)
         last_row = torch.zeros(num_rows, dtype=torch.bool, device=device)
         last_row[(cu_seq_lens_q[1:] - 1).clamp(min=0, max=num_rows - 1)] = True
         store = last_row | ((positions + 1) % allocator.tokens_per_page == 0)
-        self.store_rows = store.nonzero().squeeze(-1)
-        self.store_blocks = write_index[self.store_rows] // allocator.block_physical_stride
+        trash_block = allocator.write_trash_index // allocator.block_physical_stride
+        self.store_blocks = torch.where(store, write_index // allocator.block_physical_stride, trash_block)
 
         # A request that continues (its first row is past position 0) carries the state of its previous token's block
-        first_position = positions[request_start.clamp(max=num_rows - 1)]
-        continues = first_position > 0
+        # (no read index: no request of the step has a past)
+        read_index = kwargs["read_index"][group]
         self.carry_rows, self.carry_blocks = None, None
-        if allocator.integral_sums is not None and bool(continues.any()):
-            read_index = kwargs["read_index"][group]
+        if allocator.integral_sums is not None and read_index.numel() > 0:
+            first_position = positions[request_start.clamp(max=num_rows - 1)]
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
-            previous_token = (cu_seq_lens_k[:-1] + first_position - 1).clamp(min=0)
+            previous_token = (cu_seq_lens_k[:-1] + first_position - 1).clamp(min=0, max=read_index.numel() - 1)
             carry_blocks = read_index[previous_token] // allocator.block_physical_stride
-            self.carry_rows = continues[row_request]
+            self.carry_rows = (first_position > 0)[row_request]
             self.carry_blocks = carry_blocks[row_request]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
