@@ -131,6 +131,12 @@ class DintPagedLayer:
         self.step = step
         self.layer_idx = layer_idx
 
+    def update_integral(self, integral: str, *args, **kwargs) -> None:
+        """What the attention calls for integral "none": nothing is carried (for "mean", `running_signal_sum`
+        stores the state)."""
+        if integral != "none":
+            raise RuntimeError("A DINT paged layer stores integral statistics in `running_signal_sum` only.")
+
     def running_signal_sum(self, signal_output: torch.Tensor, layout: DintIntegralLayout) -> torch.Tensor:
         """The running sum of `signal_output` (`[1, T, H/2, 2d]`) over each request's rows, its earlier steps included
         (fp32, same shape); the state after the last row of each request and each completed block is stored."""
