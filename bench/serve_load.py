@@ -11,6 +11,11 @@ latency, and the server process's peak resident memory (VmHWM) after the level.
 
     python bench/serve_load.py                       # writes bench/results/serve_cpu/results.{json,md}
     python bench/serve_load.py --models dint llama diffllama --concurrency 1 4 16 --repeats 3
+    python bench/serve_load.py --offline             # no server: model.generate_batch on the same requests
+
+`--offline` separates the model from the server: each model runs all the requests of the largest level through
+`generate_batch` (the same continuous-batching engine, the same cache flags), interleaved, and the table gives the
+generated tokens/s; results go to `offline.{json,md}` beside the server results.
 
 Needs the serving extra: pip install -e ".[serve]".
 """
@@ -43,11 +48,12 @@ def parse_args():
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each level and model (interleaved)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each level and model (interleaved)")
     # A cache sized for the load (64 blocks of 256 tokens): sized from the free memory, the paged cache and its
     # attention mask would take most of the machine's memory
     parser.add_argument("--cb-num-blocks", type=int, default=64, help="paged-cache blocks of each server")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="tokens per step of each server")
+    parser.add_argument("--offline", action="store_true", help="generate_batch without a server (see above)")
     parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "serve_cpu"))
     add_model_size_arguments(parser)
     parser.set_defaults(max_positions=2048)
@@ -125,6 +131,14 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def paired_ratio(runs: list[dict], reference_runs: list[dict]) -> float:
+    """Median over repetitions of the ratio of generated tokens/s, run by run."""
+    def tokens_per_s(run):
+        return sum(run["generated_tokens"]) / run["wall_s"]
+
+    return statistics.median(tokens_per_s(run) / tokens_per_s(reference) for run, reference in zip(runs, reference_runs))
+
+
 def render_markdown(result: dict) -> str:
     info, args = result["machine"], result["args"]
     lines = [
@@ -152,13 +166,60 @@ def render_markdown(result: dict) -> str:
                 f"{summary['p50_latency_s']:.2f} | {summary['p95_latency_s']:.2f} | {summary['peak_rss_mb']:.0f} |"
             )
     if "llama" in result["models"] and "dint" in result["models"]:
-        lines += ["", "DINT / Llama generated tokens/s: " + ", ".join(
-            f"{level['concurrency']} clients {level['models']['dint']['tokens_per_s'] / level['models']['llama']['tokens_per_s']:.2f}"
-            for level in result["levels"]
-        ) + "."]
+        lines += ["", "DINT / Llama generated tokens/s, the median of the per-repetition ratios (the two runs of a "
+                  "repetition are adjacent in time, so they share the machine's load; the ratio of the medians above "
+                  "mixes runs minutes apart): " + ", ".join(
+                      f"{level['concurrency']} clients {paired_ratio(level['runs']['dint'], level['runs']['llama']):.2f}"
+                      for level in result["levels"]) + "."]
     for note in result.get("notes", []):
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def run_offline(args, size_kwargs: dict, prompts: list) -> None:
+    """All the requests of the largest level through `generate_batch` per model, interleaved (`--offline`)."""
+    from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    inputs = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for messages in prompts]
+    token_ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": None}
+    models = {name: build_model(MODEL_CLASSES[name], {**size_kwargs, **token_ids}, "sdpa", torch.float32, "cpu") for name in args.models}
+    generation_config = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens_per_s = {name: [] for name in args.models}
+    load_before = load_average()
+    for repeat in range(args.repeats):
+        for name in args.models if repeat % 2 == 0 else list(reversed(args.models)):
+            cache_config = ContinuousBatchingConfig(
+                num_blocks=args.cb_num_blocks, max_batch_tokens=args.cb_max_batch_tokens, max_requests_per_batch=max(args.concurrency)
+            )
+            start = time.perf_counter()
+            outputs = models[name].generate_batch(inputs, generation_config=generation_config, continuous_batching_config=cache_config, warmup=False)
+            tokens_per_s[name].append(sum(len(output.generated_tokens) for output in outputs.values()) / (time.perf_counter() - start))
+            print(f"offline  {name:10s} {tokens_per_s[name][-1]:8.1f} tokens/s", flush=True)
+    result = {"command": " ".join(sys.argv[1:]), "args": vars(args), "machine": machine_info("cpu"),
+              "load_average_before": load_before, "load_average_after": load_average(), "tokens_per_s": tokens_per_s}
+    lines = [
+        "# Continuous batching without the server: generate_batch, DINT vs Llama (same size)",
+        "",
+        f"`python bench/serve_load.py {result['command']}` — {result['machine']['date_utc']}, commit "
+        f"{result['machine']['git_commit']}, {result['machine']['cpu_count']} shared cores (load average "
+        f"{load_before} before, {result['load_average_after']} after). {len(inputs)} chat requests, {args.max_tokens} "
+        f"greedy tokens each, at most {max(args.concurrency)} requests per step; {args.repeats} interleaved runs.",
+        "",
+        "| model | generated tokens/s (median) | runs |",
+        "| --- | ---: | --- |",
+    ]
+    for name, values in tokens_per_s.items():
+        lines.append(f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{value:.0f}' for value in values)} |")
+    if "dint" in tokens_per_s and "llama" in tokens_per_s:
+        ratio = statistics.median(tokens_per_s["dint"]) / statistics.median(tokens_per_s["llama"])
+        lines += ["", f"DINT / Llama: {ratio:.2f}."]
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "offline.json"), "w") as output:
+        json.dump(result, output, indent=1)
+    with open(os.path.join(args.output_dir, "offline.md"), "w") as output:
+        output.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():
@@ -170,6 +231,9 @@ def main():
 
     size_kwargs["vocab_size"] = len(AutoTokenizer.from_pretrained(TOKENIZER_DIR))
     prompts = chat_prompts(max(args.concurrency) * args.requests_per_client)
+    if args.offline:
+        run_offline(args, size_kwargs, prompts)
+        return
     servers = {}
     with tempfile.TemporaryDirectory() as directory:
         paths = save_models(args.models, size_kwargs, directory)
