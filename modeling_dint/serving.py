@@ -79,19 +79,11 @@ class DintPagedCacheAllocator(FullAttentionCacheAllocator):
     # groups only; DINT reads them as full attention.
     layer_type = FULL_ATTENTION
 
-    def __init__(self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices, allow_block_sharing):
-        super().__init__(
-            index=index,
-            config=config,
-            num_key_value_heads=num_key_value_heads,
-            cache_dtype=cache_dtype,
-            page_size=page_size,
-            layer_indices=layer_indices,
-            allow_block_sharing=allow_block_sharing,
-        )
+    def __init__(self, config, **allocator_kwargs):
+        super().__init__(config=config, **allocator_kwargs)
         self.integral = config.integral
         self.num_differential_heads = config.num_attention_heads // 2
-        self.layer_slot = {layer_idx: slot for slot, layer_idx in enumerate(layer_indices)}
+        self.layer_slot = {layer_idx: slot for slot, layer_idx in enumerate(self.layer_indices)}
         self.integral_sums: torch.Tensor | None = None
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
