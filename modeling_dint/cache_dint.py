@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import uses_materializing_path
+from .integral_dint import DintIntegralLayout, segmented_running_sum, uses_materializing_path
 
 
 def _state_at_row(running_state: tuple, row: int) -> tuple:
@@ -40,8 +40,9 @@ def _state_at_row(running_state: tuple, row: int) -> tuple:
 
 class DintIntegralStateMixin:
     """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer. The model reads
-    and writes them through methods only: `check_integral_kind`, `past_query_count`, `integral_carry`,
-    `update_integral`."""
+    and writes them through methods only: `check_integral_kind`, `past_query_count`, `running_signal_sum` (fast
+    path), `integral_carry` and `update_integral` (materializing path). Continuous batching's paged layer
+    (`serving.py`) offers the same `running_signal_sum`."""
 
     def _init_integral_state(self) -> None:
         self.query_count: torch.Tensor | None = None
@@ -87,6 +88,15 @@ class DintIntegralStateMixin:
     def past_query_count(self) -> torch.Tensor | None:
         """The count `[B]` (fp32) of valid query rows of each batch row's current document; None before the first."""
         return self.query_count
+
+    def running_signal_sum(
+        self, integral: str, signal_output: torch.Tensor, layout: DintIntegralLayout
+    ) -> torch.Tensor:
+        """The fast path's running sum of the signal outputs `[B, T, H/2, 2d]` over each document's valid rows, the
+        sum this layer carries from earlier calls included (fp32, same shape); stores the state after the last row."""
+        running_sum = segmented_running_sum(signal_output, layout, self.integral_carry("signal_sum"))
+        self.update_integral(integral, layout.running_query_count, running_sum.transpose(1, 2))
+        return running_sum
 
     def integral_carry(self, state_name: str) -> torch.Tensor | None:
         """The sums `[B, H/2, C]` over the current document's rows that this layer carries into a call: "signal_sum"

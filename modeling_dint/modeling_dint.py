@@ -259,15 +259,10 @@ class DintAttention(nn.Module):
             return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document ---
-        if getattr(cache_layer, "carries_requests", False):  # serving hook: continuous batching (serving.py)
-            running_signal_sum = cache_layer.running_signal_sum(signal_output, integral_layout)
-        else:
-            carry = cache_layer.integral_carry("signal_sum") if cache_layer is not None else None
-            running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
-            if cache_layer is not None:
-                cache_layer.update_integral(
-                    self.integral, integral_layout.running_query_count, running_signal_sum.transpose(1, 2)
-                )
+        if cache_layer is None:
+            running_signal_sum = segmented_running_sum(signal_output, integral_layout)  # [B, T, H/2, 2d], fp32
+        else:  # the cache layer adds what it carries from earlier calls, and keeps the new state
+            running_signal_sum = cache_layer.running_signal_sum(self.integral, signal_output, integral_layout)
         # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
         noise_minus_integral = torch.addcmul(
             noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1

@@ -115,10 +115,6 @@ class DintPagedLayer:
     """What a DINT layer reads of its cache in one continuous-batching step: the running sum of O1 over each request,
     carried from the request's earlier steps."""
 
-    is_dint_layer = True
-    carries_requests = True  # the attention's serving hook dispatches on it
-    query_count = None  # the count of each row is in the step's layout (position + 1)
-
     def __init__(self, step: "DintPagedStep", layer_idx: int):
         self.step = step
         self.layer_idx = layer_idx
@@ -129,7 +125,7 @@ class DintPagedLayer:
         if integral != "none":
             raise RuntimeError("A DINT paged layer stores integral statistics in `running_signal_sum` only.")
 
-    def running_signal_sum(self, signal_output: torch.Tensor, layout: DintIntegralLayout) -> torch.Tensor:
+    def running_signal_sum(self, integral: str, signal_output: torch.Tensor, layout: DintIntegralLayout) -> torch.Tensor:
         """The running sum of `signal_output` (`[1, T, H/2, 2d]`) over each request's rows, its earlier steps included
         (fp32, same shape); the state after the last row of each request and each completed block is stored."""
         step = self.step
