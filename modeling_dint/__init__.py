@@ -6,6 +6,9 @@ AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClass
 AutoModelForQuestionAnswering) and the DINT cache layers with the cache-layer mappings.
 """
 
+# First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
+from .transformers_compat import MINIMUM_TRANSFORMERS_VERSION, UnsupportedTransformersError  # noqa: I001
+
 from transformers import (
     AutoConfig,
     AutoModel,

@@ -18,6 +18,14 @@ This file is copied next to the weights by `save_pretrained` (remote code): it i
 transformers and its sibling files.
 """
 
+# First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
+from .transformers_compat import (  # noqa: I001
+    build_dint_cache_layers,
+    create_causal_mask,
+    create_masks_for_generate,
+    slice_logits_to_keep,
+)
+
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -26,7 +34,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -34,7 +42,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRotaryEmbedding,
@@ -46,7 +54,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401  (importing registers the cache layers)
+from .cache_dint import DintDynamicLayer, DintStaticLayer  # importing registers the cache layers (transformers >= 5.14)
 from .configuration_dint import DintConfig
 
 
@@ -675,6 +683,7 @@ class DintModel(DintPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:
+            build_dint_cache_layers(past_key_values, self.config, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
             check_dint_cache(past_key_values, self.config)
 
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -772,6 +781,7 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    create_masks_for_generate = staticmethod(create_masks_for_generate)  # transformers < 5.13 (see transformers_compat)
 
     def __init__(self, config: DintConfig):
         super().__init__(config)

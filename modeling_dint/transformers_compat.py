@@ -1,0 +1,141 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""What moved between the transformers releases DINT supports (every 5.x from 5.5), bridged in one place.
+
+This file travels with the remote code (`save_pretrained` copies it beside `modeling_dint.py`), so a checkpoint loads
+with `trust_remote_code=True` on whatever supported transformers a machine has. Each bridge names the releases it
+serves: when the floor passes them, delete the bridge and import the transformers name directly.
+
+Importing this module first checks the installed release: below the floor, the package and the remote code fail at
+once with `UnsupportedTransformersError`, naming the installed and the minimum version and how to upgrade, instead
+of an ImportError from inside transformers. It imports only `transformers`' top level and `packaging` before that
+check, so it runs on any transformers.
+"""
+
+import inspect
+
+import torch
+import transformers
+from packaging.version import Version
+
+
+MINIMUM_TRANSFORMERS_VERSION = "5.5.0"
+"""The oldest transformers release DINT runs on (`setup.py`'s `install_requires` states the same bound)."""
+
+TESTED_TRANSFORMERS_VERSIONS = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0")
+"""The releases `.ci/transformers_matrix.py --full` runs the remote code and the core test suite on."""
+
+
+class UnsupportedTransformersError(ImportError):
+    """The installed transformers is older than `MINIMUM_TRANSFORMERS_VERSION`."""
+
+
+def _installed_release() -> tuple[int, ...]:
+    """The installed transformers release as numbers, e.g. (5, 5, 4) (a `.dev0` suffix is dropped)."""
+    return Version(transformers.__version__).release
+
+
+def check_transformers_version(installed: str | None = None) -> None:
+    """Raises `UnsupportedTransformersError` if `installed` (default: the installed transformers) is below the floor."""
+    installed = transformers.__version__ if installed is None else installed
+    if Version(installed).release < Version(MINIMUM_TRANSFORMERS_VERSION).release:
+        raise UnsupportedTransformersError(
+            f"DINT needs transformers >= {MINIMUM_TRANSFORMERS_VERSION}, but transformers {installed} is installed. "
+            f'Upgrade it with `pip install -U "transformers>={MINIMUM_TRANSFORMERS_VERSION},<6"`.'
+        )
+
+
+check_transformers_version()
+
+from transformers import cache_utils, masking_utils, modeling_utils  # noqa: E402  (only on a supported release)
+
+
+# --- `slice_logits_to_keep`: in transformers.modeling_utils from 5.21; this bridge serves 5.5 - 5.20 ---------------
+if hasattr(modeling_utils, "slice_logits_to_keep"):
+    slice_logits_to_keep = modeling_utils.slice_logits_to_keep
+else:
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The rows of `hidden_states` `[B, T, hidden]` whose logits `generate()` and the loss need: the last
+        `logits_to_keep` rows for an int (0: all), the listed positions for a 1D tensor, per-row positions for a 2D
+        integer tensor `[B, n]`, the True rows (flattened to `[n, hidden]`) for a 2D boolean mask."""
+        if isinstance(logits_to_keep, int):
+            return hidden_states[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden_states
+        if logits_to_keep.dim() == 2 and logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        if logits_to_keep.dim() == 2:
+            return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+        return hidden_states[:, logits_to_keep, :]
+
+
+# --- `create_causal_mask(..., allow_is_causal_skip=...)`: the argument exists from 5.15; this bridge serves 5.5 - 5.14
+if "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters:
+    create_causal_mask = masking_utils.create_causal_mask
+else:
+
+    def create_causal_mask(*, allow_is_causal_skip: bool = True, **kwargs):
+        """`transformers.masking_utils.create_causal_mask`, where `allow_is_causal_skip=False` always returns a mask.
+
+        Before 5.15 sdpa's mask function returns None where the mask is plainly causal (no padding, no packing, a
+        dynamic cache or none). The materializing path needs the boolean mask itself: it is then `[B, 1, T, past + T]`,
+        True where key j <= past + query row i.
+        """
+        causal_mask = masking_utils.create_causal_mask(**kwargs)
+        if causal_mask is not None or allow_is_causal_skip:
+            return causal_mask
+        inputs_embeds = kwargs["inputs_embeds"]
+        batch_size, query_length = inputs_embeds.shape[:2]
+        past_key_values = kwargs.get("past_key_values")
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=inputs_embeds.device)
+        return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
+
+
+# --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14 -------
+HAS_CACHE_LAYER_REGISTRY = hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING")
+"""From 5.14, `DynamicCache(config=...)` / `StaticCache(config=...)` build the DINT layers named by `layer_types`."""
+
+
+def build_dint_cache_layers(past_key_values, config, dynamic_layer_class: type, static_layer_class: type) -> None:
+    """Replaces, in place, the plain layers that `DynamicCache(config=...)` / `StaticCache(config=...)` build for the
+    `dint_attention` layers on transformers 5.5 - 5.13 (no cache-layer registry) by `dynamic_layer_class` /
+    `static_layer_class` (the DINT layers), so that the caches `generate()` builds carry the integral statistics.
+
+    A no-op from 5.14 and for any other cache: only empty `DynamicLayer` / `StaticLayer` objects, one per decoder
+    layer, are replaced, so a filled cache of plain layers, or a bare `DynamicCache()` (no layers yet), is still
+    refused by the model. The classes are arguments because this module imports no sibling file: a remote-code
+    load of the configuration copies only the files it imports."""
+    if HAS_CACHE_LAYER_REGISTRY:
+        return
+    layers = getattr(past_key_values, "layers", None)
+    if layers is None or len(layers) != config.num_hidden_layers:
+        return
+    for layer_idx, layer in enumerate(layers):
+        if type(layer) is cache_utils.DynamicLayer and not layer.is_initialized:
+            layers[layer_idx] = dynamic_layer_class()
+        elif type(layer) is cache_utils.StaticLayer and not layer.is_initialized:
+            layers[layer_idx] = static_layer_class(max_cache_len=layer.max_cache_len)
+
+
+# --- `generate()`'s masks for a static cache: from 5.13 transformers passes the 2D padding mask through for a layer
+# type it has no mask function for; before, it raised KeyError('dint_attention'). This bridge serves 5.5 - 5.12. ---
+if _installed_release() >= (5, 13):
+    create_masks_for_generate = masking_utils.create_masks_for_generate
+else:
+
+    def create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs):
+        """What `generate()` passes a DINT model as `attention_mask` with a static cache: the 2D padding mask itself
+        (DINT's forward builds its masks from it), as transformers does from 5.13."""
+        return attention_mask
+
+
+__all__ = [
+    "MINIMUM_TRANSFORMERS_VERSION",
+    "TESTED_TRANSFORMERS_VERSIONS",
+    "UnsupportedTransformersError",
+    "check_transformers_version",
+    "slice_logits_to_keep",
+    "create_causal_mask",
+    "create_masks_for_generate",
+    "HAS_CACHE_LAYER_REGISTRY",
+    "build_dint_cache_layers",
+]
