@@ -50,44 +50,45 @@ from transformers import cache_utils, masking_utils, modeling_utils  # noqa: E40
 
 
 # --- `slice_logits_to_keep`: in transformers.modeling_utils from 5.21; this bridge serves 5.5 - 5.20 ---------------
-if hasattr(modeling_utils, "slice_logits_to_keep"):
-    slice_logits_to_keep = modeling_utils.slice_logits_to_keep
-else:
+def slice_logits_to_keep_before_5_21(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The rows of `hidden_states` `[B, T, hidden]` whose logits `generate()` and the loss need: the last
+    `logits_to_keep` rows for an int (0: all), the listed positions for a 1D tensor, per-row positions for a 2D
+    integer tensor `[B, n]`, the True rows (flattened to `[n, hidden]`) for a 2D boolean mask."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden_states
+    if logits_to_keep.dim() == 2 and logits_to_keep.dtype == torch.bool:
+        return hidden_states[logits_to_keep]
+    if logits_to_keep.dim() == 2:
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    return hidden_states[:, logits_to_keep, :]
 
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        """The rows of `hidden_states` `[B, T, hidden]` whose logits `generate()` and the loss need: the last
-        `logits_to_keep` rows for an int (0: all), the listed positions for a 1D tensor, per-row positions for a 2D
-        integer tensor `[B, n]`, the True rows (flattened to `[n, hidden]`) for a 2D boolean mask."""
-        if isinstance(logits_to_keep, int):
-            return hidden_states[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden_states
-        if logits_to_keep.dim() == 2 and logits_to_keep.dtype == torch.bool:
-            return hidden_states[logits_to_keep]
-        if logits_to_keep.dim() == 2:
-            return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
-        return hidden_states[:, logits_to_keep, :]
+
+slice_logits_to_keep = getattr(modeling_utils, "slice_logits_to_keep", slice_logits_to_keep_before_5_21)
 
 
 # --- `create_causal_mask(..., allow_is_causal_skip=...)`: the argument exists from 5.15; this bridge serves 5.5 - 5.14
+def create_causal_mask_before_5_15(*, allow_is_causal_skip: bool = True, **kwargs):
+    """`transformers.masking_utils.create_causal_mask`, where `allow_is_causal_skip=False` always returns a mask.
+
+    Before 5.15 sdpa's mask function returns None where the mask is plainly causal (no padding, no packing, a dynamic
+    cache or none). The materializing path needs the boolean mask itself: it is then `[B, 1, T, past + T]`, True where
+    key j <= past + query row i.
+    """
+    causal_mask = masking_utils.create_causal_mask(**kwargs)
+    if causal_mask is not None or allow_is_causal_skip:
+        return causal_mask
+    inputs_embeds = kwargs["inputs_embeds"]
+    batch_size, query_length = inputs_embeds.shape[:2]
+    past_key_values = kwargs.get("past_key_values")
+    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=inputs_embeds.device)
+    return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
+
+
 if "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters:
     create_causal_mask = masking_utils.create_causal_mask
 else:
-
-    def create_causal_mask(*, allow_is_causal_skip: bool = True, **kwargs):
-        """`transformers.masking_utils.create_causal_mask`, where `allow_is_causal_skip=False` always returns a mask.
-
-        Before 5.15 sdpa's mask function returns None where the mask is plainly causal (no padding, no packing, a
-        dynamic cache or none). The materializing path needs the boolean mask itself: it is then `[B, 1, T, past + T]`,
-        True where key j <= past + query row i.
-        """
-        causal_mask = masking_utils.create_causal_mask(**kwargs)
-        if causal_mask is not None or allow_is_causal_skip:
-            return causal_mask
-        inputs_embeds = kwargs["inputs_embeds"]
-        batch_size, query_length = inputs_embeds.shape[:2]
-        past_key_values = kwargs.get("past_key_values")
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=inputs_embeds.device)
-        return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
+    create_causal_mask = create_causal_mask_before_5_15
 
 
 # --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14 -------
@@ -96,16 +97,18 @@ HAS_CACHE_LAYER_REGISTRY = hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING")
 
 
 def build_dint_cache_layers(past_key_values, config, dynamic_layer_class: type, static_layer_class: type) -> None:
-    """Replaces, in place, the plain layers that `DynamicCache(config=...)` / `StaticCache(config=...)` build for the
-    `dint_attention` layers on transformers 5.5 - 5.13 (no cache-layer registry) by `dynamic_layer_class` /
+    """On transformers 5.5 - 5.13 (no cache-layer registry), `DynamicCache(config=...)` / `StaticCache(config=...)`
+    build plain layers for the `dint_attention` layers: this replaces them, in place, by `dynamic_layer_class` /
     `static_layer_class` (the DINT layers), so that the caches `generate()` builds carry the integral statistics.
+    A no-op from 5.14. The classes are arguments because this module imports no sibling file: a remote-code load of
+    the configuration copies only the files it imports."""
+    if not HAS_CACHE_LAYER_REGISTRY:
+        replace_plain_cache_layers(past_key_values, config, dynamic_layer_class, static_layer_class)
 
-    A no-op from 5.14 and for any other cache: only empty `DynamicLayer` / `StaticLayer` objects, one per decoder
-    layer, are replaced, so a filled cache of plain layers, or a bare `DynamicCache()` (no layers yet), is still
-    refused by the model. The classes are arguments because this module imports no sibling file: a remote-code
-    load of the configuration copies only the files it imports."""
-    if HAS_CACHE_LAYER_REGISTRY:
-        return
+
+def replace_plain_cache_layers(past_key_values, config, dynamic_layer_class: type, static_layer_class: type) -> None:
+    """The replacement itself. Only empty `DynamicLayer` / `StaticLayer` objects, one per decoder layer, are replaced,
+    so a filled cache of plain layers, or a bare `DynamicCache()` (no layers yet), is still refused by the model."""
     layers = getattr(past_key_values, "layers", None)
     if layers is None or len(layers) != config.num_hidden_layers:
         return
@@ -116,16 +119,25 @@ def build_dint_cache_layers(past_key_values, config, dynamic_layer_class: type, 
             layers[layer_idx] = static_layer_class(max_cache_len=layer.max_cache_len)
 
 
+# --- assisted and prompt-lookup decoding roll a DINT cache back over the rejected tokens only where `generate()`
+# records past states and crops by a count of tokens (from 5.14). On 5.5 - 5.13 it crops to an absolute length
+# without recording, which a DINT cache layer refuses with a ValueError (its integral cannot be rolled back). ---
+GENERATE_RECORDS_PAST_FOR_CROP = _installed_release() >= (5, 14)
+"""Whether `generate(prompt_lookup_num_tokens=...)` / `generate(assistant_model=...)` can run a DINT model (5.14+)."""
+
+
 # --- `generate()`'s masks for a static cache: from 5.13 transformers passes the 2D padding mask through for a layer
 # type it has no mask function for; before, it raised KeyError('dint_attention'). This bridge serves 5.5 - 5.12. ---
+def create_masks_for_generate_before_5_13(config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+    """What `generate()` passes a DINT model as `attention_mask` with a static cache: the 2D padding mask itself
+    (DINT's forward builds its masks from it), as transformers does from 5.13."""
+    return attention_mask
+
+
 if _installed_release() >= (5, 13):
     create_masks_for_generate = masking_utils.create_masks_for_generate
 else:
-
-    def create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, **kwargs):
-        """What `generate()` passes a DINT model as `attention_mask` with a static cache: the 2D padding mask itself
-        (DINT's forward builds its masks from it), as transformers does from 5.13."""
-        return attention_mask
+    create_masks_for_generate = create_masks_for_generate_before_5_13
 
 
 __all__ = [
@@ -137,5 +149,6 @@ __all__ = [
     "create_causal_mask",
     "create_masks_for_generate",
     "HAS_CACHE_LAYER_REGISTRY",
+    "GENERATE_RECORDS_PAST_FOR_CROP",
     "build_dint_cache_layers",
 ]
