@@ -41,8 +41,13 @@ in modeling_dint/transformers_compat.py)."""
 FAST_RELEASES = (FULL_RELEASES[0], FULL_RELEASES[-1])
 BELOW_FLOOR_RELEASE = "4.57.6"
 TORCH_REQUIREMENT = "torch==2.13.0"
-CORE_TESTS = ("tests/test_modeling.py", "tests/test_generation.py", "tests/test_attention.py")
-FAST_CORE_TESTS = ("tests/test_modeling.py", "tests/test_generation.py")
+CORE_TESTS = (
+    "tests/test_transformers_compat.py",
+    "tests/test_modeling.py",
+    "tests/test_generation.py",
+    "tests/test_attention.py",
+)
+FAST_CORE_TESTS = CORE_TESTS[:3]
 REMOTE_CHECKS = ("logits", "greedy", "sampled", "beam", "static cache", "cached continuation", "Trainer")
 LOGITS_TOLERANCE = 1e-5
 
