@@ -7,7 +7,8 @@
 A virtualenv per release lives in `$DINT_MATRIX_DIR` (default `~/.cache/dint-matrix`, outside the repository) and is
 created on first use: torch==2.13.0 (the CPU wheel) first, so that nothing pulls a CUDA build, then transformers==X,
 accelerate and pytest; pip's wheel cache makes a re-creation quick. Where the python running this script already has
-torch 2.13.0 (CI), the virtualenvs share it (`--system-site-packages`) instead of installing it again. The checks, per release X:
+torch 2.13.0 (CI), the virtualenvs share it (`--system-site-packages`) instead of installing it again.
+The checks, per release X:
 
 - remote code: a checkpoint saved by the package under the newest release loads with `trust_remote_code=True`
   while `import modeling_dint` is blocked; its logits equal the reference saved with it (fp32, 1e-5), and greedy,
@@ -126,7 +127,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help=f"every release of {FULL_RELEASES} (slow mode)")
     parser.add_argument("--venv-dir", default=os.environ.get("DINT_MATRIX_DIR", "~/.cache/dint-matrix"))
-    parser.add_argument("--output", help="markdown file for the table (default with --full: .ci/transformers_matrix.md)")
+    parser.add_argument("--output", help="markdown file for the table (with --full: .ci/transformers_matrix.md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("worker_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,7 +355,8 @@ def worker_below_floor(checkpoint: str) -> dict:
         messages["remote-code load"] = str(error)
 
     def is_clear(message: str | None) -> bool:
-        return bool(message) and message.startswith("DINT needs transformers >= ") and transformers.__version__ in message
+        installed = transformers.__version__
+        return bool(message) and message.startswith("DINT needs transformers >= ") and installed in message
 
     checks = {name: is_clear(messages.get(name)) for name in ("import modeling_dint", "remote-code load")}
     return {"checks": checks, "message": messages.get("remote-code load", "")}

@@ -683,7 +683,7 @@ class DintModel(DintPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:
-            build_dint_cache_layers(past_key_values, self.config, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
+            build_dint_cache_layers(past_key_values, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
             check_dint_cache(past_key_values, self.config)
 
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0

@@ -96,22 +96,21 @@ HAS_CACHE_LAYER_REGISTRY = hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING")
 """From 5.14, `DynamicCache(config=...)` / `StaticCache(config=...)` build the DINT layers named by `layer_types`."""
 
 
-def build_dint_cache_layers(past_key_values, config, dynamic_layer_class: type, static_layer_class: type) -> None:
+def build_dint_cache_layers(past_key_values, dynamic_layer_class: type, static_layer_class: type) -> None:
     """On transformers 5.5 - 5.13 (no cache-layer registry), `DynamicCache(config=...)` / `StaticCache(config=...)`
     build plain layers for the `dint_attention` layers: this replaces them, in place, by `dynamic_layer_class` /
     `static_layer_class` (the DINT layers), so that the caches `generate()` builds carry the integral statistics.
     A no-op from 5.14. The classes are arguments because this module imports no sibling file: a remote-code load of
     the configuration copies only the files it imports."""
     if not HAS_CACHE_LAYER_REGISTRY:
-        replace_plain_cache_layers(past_key_values, config, dynamic_layer_class, static_layer_class)
+        replace_plain_cache_layers(past_key_values, dynamic_layer_class, static_layer_class)
 
 
-def replace_plain_cache_layers(past_key_values, config, dynamic_layer_class: type, static_layer_class: type) -> None:
-    """The replacement itself. Only empty `DynamicLayer` / `StaticLayer` objects, one per decoder layer, are replaced,
-    so a filled cache of plain layers, or a bare `DynamicCache()` (no layers yet), is still refused by the model."""
-    layers = getattr(past_key_values, "layers", None)
-    if layers is None or len(layers) != config.num_hidden_layers:
-        return
+def replace_plain_cache_layers(past_key_values, dynamic_layer_class: type, static_layer_class: type) -> None:
+    """The replacement itself. Only empty `DynamicLayer` / `StaticLayer` objects are replaced, so a filled cache of
+    plain layers, or a bare `DynamicCache()` (no layers yet), is still refused by the model; a cache built from
+    another config keeps its number of layers, which the model checks."""
+    layers = getattr(past_key_values, "layers", None) or []
     for layer_idx, layer in enumerate(layers):
         if type(layer) is cache_utils.DynamicLayer and not layer.is_initialized:
             layers[layer_idx] = dynamic_layer_class()

@@ -57,7 +57,9 @@ def test_slice_logits_to_keep_bridge_matches_transformers():
             )
             expected = modeling_utils.slice_logits_to_keep(hidden_states, logits_to_keep)
             assert torch.equal(bridged, expected), changed(
-                "transformers.modeling_utils.slice_logits_to_keep", "5.21 - 5.23", f"it selects other rows for {logits_to_keep}"
+                "transformers.modeling_utils.slice_logits_to_keep",
+                "5.21 - 5.23",
+                f"it selects other rows for {logits_to_keep}",
             )
         elif isinstance(logits_to_keep, int):
             assert bridged.shape[1] == (logits_to_keep or 7)
@@ -115,7 +117,7 @@ def test_cache_layers_for_dint_layer_types(cache_kind):
     else:
         cache = StaticCache(config=config, max_cache_len=16)
         cache.layers[:] = [cache_utils.StaticLayer(max_cache_len=16) for _ in range(config.num_hidden_layers)]
-    compat.replace_plain_cache_layers(cache, config, DintDynamicLayer, DintStaticLayer)
+    compat.replace_plain_cache_layers(cache, DintDynamicLayer, DintStaticLayer)
     expected_class = DintDynamicLayer if cache_kind == "dynamic" else DintStaticLayer
     assert all(type(layer) is expected_class for layer in cache.layers)
     input_ids = torch.randint(2, 128, (1, 6))
