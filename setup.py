@@ -20,7 +20,7 @@ setup(
     package_data={"modeling_dint.presets": ["*.json"]},
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.23.0,<6",
+        "transformers>=5.5.0,<6",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
         "tqdm",

@@ -19,6 +19,9 @@ from .import_noise import silence_known_import_noise
 
 silence_known_import_noise()
 
+# Then: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
+from .transformers_compat import MINIMUM_TRANSFORMERS_VERSION, UnsupportedTransformersError  # noqa: E402, I001
+
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModel,
@@ -60,6 +63,8 @@ else:
 __version__ = "0.1.0"
 
 __all__ = [
+    "MINIMUM_TRANSFORMERS_VERSION",
+    "UnsupportedTransformersError",
     "DintConfig",
     "DintModel",
     "DintPreTrainedModel",

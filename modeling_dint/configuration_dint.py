@@ -9,6 +9,9 @@ This file is copied next to the weights by `save_pretrained` (remote code): it i
 library, torch (indirectly) and transformers.
 """
 
+# First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
+from .transformers_compat import check_transformers_version  # noqa: F401, I001
+
 import json
 import math
 from importlib import resources

@@ -16,12 +16,15 @@ This file is copied next to the weights by `save_pretrained` (remote code): it i
 transformers and its sibling files.
 """
 
+# First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
+from .transformers_compat import build_dint_cache_layers, create_causal_mask  # noqa: I001
+
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -44,7 +47,7 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_dint import check_dint_cache
+from .cache_dint import DintDynamicLayer, DintStaticLayer, check_dint_cache
 from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .integral_dint import (
     DintIntegralLayout,
@@ -451,6 +454,7 @@ class DintModel(DintPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None and paged_step is None:  # (serving hook: `and paged_step is None`)
+            build_dint_cache_layers(past_key_values, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
             check_dint_cache(past_key_values, self.config)
 
         given_position_ids = position_ids

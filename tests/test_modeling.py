@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from dint_testing import left_padded_batch, tiny_config, tiny_model
+from dint_testing import enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -201,7 +201,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model = tiny_model()
         model.train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         gradients.append({name: p.grad for name, p in model.named_parameters()})
     for name, gradient in gradients[0].items():

@@ -1,0 +1,117 @@
+"""The transformers internals `modeling_dint/transformers_compat.py` relies on, checked on the installed release.
+
+Each failure names the symbol and the releases the bridge was written for: a new transformers release that moves one
+of them fails here first, with the name to look at, instead of somewhere inside a DINT forward or a remote-code load.
+The bridges for older releases are also run here against the newest release's own implementation.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+import transformers
+from dint_testing import left_padded_batch, tiny_model
+from transformers import StaticCache, cache_utils, masking_utils
+
+from modeling_dint import DintDynamicLayer, DintStaticLayer
+from modeling_dint import transformers_compat as compat
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALLED = compat._installed_release()
+
+
+def changed(symbol: str, written_for: str, detail: str) -> str:
+    return (
+        f"transformers {transformers.__version__} changed `{symbol}`, which modeling_dint/transformers_compat.py "
+        f"relies on (written for transformers {written_for}): {detail}"
+    )
+
+
+def test_below_the_floor_fails_with_one_clear_error():
+    for installed in ("4.57.6", "5.0.0", "5.4.0"):
+        with pytest.raises(compat.UnsupportedTransformersError) as error:
+            compat.check_transformers_version(installed)
+        message = str(error.value)
+        assert f"transformers {installed} is installed" in message and ">= 5.5.0" in message
+        assert 'pip install -U "transformers>=5.5.0,<6"' in message
+    for installed in ("5.5.0", "5.5.4", "5.23.0", transformers.__version__):
+        compat.check_transformers_version(installed)
+
+
+def test_install_requires_states_the_floor():
+    with open(os.path.join(REPO_ROOT, "setup.py"), encoding="utf-8") as file:
+        requirement = re.search(r'"transformers>=([\d.]+),<6"', file.read())
+    assert requirement is not None and requirement.group(1) == compat.MINIMUM_TRANSFORMERS_VERSION
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_create_causal_mask_bridge_matches_transformers(padded):
+    model = tiny_model("eager")
+    input_ids, attention_mask = left_padded_batch(lengths=(6, 6 if not padded else 4))
+    inputs_embeds = model.model.embed_tokens(input_ids)
+    kwargs = dict(
+        config=_sdpa_mask_config(),
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        past_key_values=None,
+        position_ids=torch.arange(6)[None],
+    )
+    bridged = compat.create_causal_mask_before_5_15(allow_is_causal_skip=False, **kwargs)
+    assert bridged is not None and bridged.shape == (2, 1, 6, 6) and bridged.dtype == torch.bool
+    expected = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None, :]
+    assert torch.equal(bridged, expected.expand_as(bridged))
+    if INSTALLED >= (5, 15):
+        assert compat.create_causal_mask is masking_utils.create_causal_mask
+        native = masking_utils.create_causal_mask(allow_is_causal_skip=False, **kwargs)
+        assert native is not None and torch.equal(native, bridged), changed(
+            "transformers.masking_utils.create_causal_mask(allow_is_causal_skip=False)",
+            "5.15 - 5.23",
+            "it no longer returns sdpa's boolean [B, 1, T, K] causal mask",
+        )
+
+
+def _sdpa_mask_config():
+    """What create_causal_mask reads of a config, asking for sdpa's boolean mask (as DINT's materializing path)."""
+    from modeling_dint.modeling_dint import _DenseMaskConfig
+
+    return _DenseMaskConfig()
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_cache_layers_for_dint_layer_types(cache_kind):
+    model = tiny_model()
+    config = model.config
+    if INSTALLED >= (5, 14):
+        mappings = (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, cache_utils.STATIC_LAYER_TYPE_MAPPING)
+        registered = (mappings[0].get("dint_attention"), mappings[1].get("dint_attention"))
+        assert registered == (DintDynamicLayer, DintStaticLayer), changed(
+            "transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING / STATIC_LAYER_TYPE_MAPPING (`_layer_type`)",
+            "5.14 - 5.23",
+            f"the DINT layers are not registered by their `_layer_type`: {registered}",
+        )
+    # The bridge of 5.5 - 5.13, run here too: the plain layers those releases build become DINT layers.
+    if cache_kind == "dynamic":
+        cache = transformers.DynamicCache(config=config)
+        cache.layers[:] = [cache_utils.DynamicLayer() for _ in range(config.num_hidden_layers)]
+    else:
+        cache = StaticCache(config=config, max_cache_len=16)
+        cache.layers[:] = [cache_utils.StaticLayer(max_cache_len=16) for _ in range(config.num_hidden_layers)]
+    compat.replace_plain_cache_layers(cache, DintDynamicLayer, DintStaticLayer)
+    expected_class = DintDynamicLayer if cache_kind == "dynamic" else DintStaticLayer
+    assert all(type(layer) is expected_class for layer in cache.layers)
+    input_ids = torch.randint(2, 128, (1, 6))
+    with torch.no_grad():
+        prefill = model(input_ids[:, :5], past_key_values=cache)
+        step = model(input_ids[:, 5:], past_key_values=prefill.past_key_values).logits
+        full = model(input_ids).logits
+    torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_rolls_back_by_recording_where_the_flag_says():
+    assert hasattr(cache_utils.Cache, "activate_past_recording") == compat.GENERATE_RECORDS_PAST_FOR_CROP, changed(
+        "transformers.cache_utils.Cache.activate_past_recording",
+        "5.14 - 5.23",
+        "GENERATE_RECORDS_PAST_FOR_CROP no longer tells whether generate() records past states before a crop",
+    )
