@@ -44,10 +44,14 @@ TRANSFORMERS_INTERNALS = {
 """Each transformers internal the integration touches, and what for (the closing note and the test list them)."""
 
 
+def installed_release() -> str:
+    """The installed transformers' minor release, e.g. "5.23"."""
+    return ".".join(transformers.__version__.split(".")[:2])
+
+
 def check_transformers_release() -> None:
     """Fails with both versions named when the installed transformers is not the release this module was read in."""
-    installed = ".".join(transformers.__version__.split(".")[:2])
-    if installed != WRITTEN_FOR_TRANSFORMERS:
+    if installed_release() != WRITTEN_FOR_TRANSFORMERS:
         raise RuntimeError(
             f"DINT's continuous-batching integration (modeling_dint/serving.py) was written for the internals of "
             f"transformers {WRITTEN_FOR_TRANSFORMERS}.x; transformers {transformers.__version__} is installed. "
@@ -251,7 +255,10 @@ _original_paged_cache_init = PagedAttentionCache.__init__
 
 
 def enable_continuous_batching() -> None:
-    """Registers DINT with transformers' continuous batching (idempotent; importing `modeling_dint` calls it)."""
+    """Registers DINT with transformers' continuous batching (idempotent; importing `modeling_dint` calls it). On
+    another release nothing is patched: its internals were not read (`check_transformers_release` says so)."""
+    if installed_release() != WRITTEN_FOR_TRANSFORMERS:
+        return
     ATTN_TYPE_TO_ALLOCATOR[DINT_LAYER_TYPE] = DintPagedCacheAllocator
     if continuous_batching_cache.PagedAttentionCache.__init__ is not _init_paged_cache_with_dint:
         continuous_batching_cache.PagedAttentionCache.__init__ = _init_paged_cache_with_dint
@@ -261,6 +268,7 @@ __all__ = [
     "DintPagedCacheAllocator",
     "DintPagedStep",
     "check_transformers_release",
+    "installed_release",
     "dint_paged_step",
     "enable_continuous_batching",
     "TRANSFORMERS_INTERNALS",

@@ -10,6 +10,12 @@ import torch
 from dint_testing import tiny_model
 
 
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
+
+
+if Version(transformers.__version__) < Version("5.23"):  # dint-serve runs transformers 5.23's serving app
+    pytest.skip(f"dint-serve needs transformers >= 5.23 (installed: {transformers.__version__})", allow_module_level=True)
 openai = pytest.importorskip("openai", reason='the serving extra is not installed: pip install -e ".[serve]"')
 pytest.importorskip("fastapi", reason='the serving extra is not installed: pip install -e ".[serve]"')
 pytest.importorskip("uvicorn", reason='the serving extra is not installed: pip install -e ".[serve]"')

@@ -3,18 +3,30 @@ alone, and the transformers internals the integration depends on (modeling_dint/
 against."""
 
 import inspect
-import threading
-import time
 
 import pytest
 import torch
 import transformers
-from dint_testing import tiny_model
-from transformers import ContinuousBatchingConfig, GenerationConfig
-from transformers.generation.continuous_batching import cache as continuous_batching_cache
-from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
+from packaging.version import Version
 
-from modeling_dint import serving
+
+# Serving is integrated for transformers 5.23 (modeling_dint/serving.py): older releases skip these tests; a newer one
+# runs them, and test_transformers_internals_are_those_serving_was_written_for fails until the module is ported.
+if Version(transformers.__version__) < Version("5.23"):
+    pytest.skip(
+        f"continuous batching is integrated for transformers >= 5.23 (installed: {transformers.__version__})",
+        allow_module_level=True,
+    )
+
+from dint_testing import tiny_model  # noqa: E402
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers.generation.continuous_batching import cache as continuous_batching_cache  # noqa: E402
+from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
+    FULL_ATTENTION,
+    FullAttentionCacheAllocator,
+)
+
+from modeling_dint import serving  # noqa: E402
 
 
 NEW_TOKENS = 10
