@@ -69,6 +69,13 @@ class DintConfig(PreTrainedConfig):
         lambda_std_dev (`float`, defaults to 0.1): Standard deviation of the lambda vectors' initialization.
         head_norm (`bool`, defaults to `True`): Per-differential-head RMSNorm over its `2 * head_dim` channels.
         head_norm_affine (`bool`, defaults to `True`): Whether that norm has a learned weight (initialized to 1).
+        one_pass_attention (`bool`, *optional*): How the fast path computes the signal and noise outputs. `None`
+            (default): in one attention call over each KV head's 2*head_dim-wide V where the backend is
+            `flex_attention` (Q.K^T once instead of twice; measured faster), in two calls over the two halves of V
+            (as DiffLlama) elsewhere. `True`: one call, with `flex_attention` or `sdpa` (the backends whose kernels
+            take a value head dim other than the query/key head dim; sdpa's CPU kernel then falls back to its slow
+            math kernel). `False`: two calls. The eager backend and integral "softmax" build the maps instead (see
+            `integral_dint.uses_one_pass_attention`).
 
     ```python
     >>> from modeling_dint import DintConfig, DintForCausalLM
@@ -122,6 +129,7 @@ class DintConfig(PreTrainedConfig):
     lambda_std_dev: float | int = 0.1
     head_norm: bool = True
     head_norm_affine: bool = True
+    one_pass_attention: bool | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -181,6 +189,11 @@ class DintConfig(PreTrainedConfig):
             )
         if not math.isfinite(self.lambda_std_dev) or self.lambda_std_dev < 0:
             raise ValueError(f"`lambda_std_dev` must be a finite number >= 0, got {self.lambda_std_dev!r}.")
+        if self.one_pass_attention not in (None, True, False):
+            raise ValueError(
+                f"`one_pass_attention` must be None (one attention call where the backend is flex_attention), True "
+                f"or False, got {self.one_pass_attention!r}."
+            )
         if self.attention_dropout:
             raise ValueError(
                 f"`attention_dropout` must be 0: neither the DIFF nor the DINT paper defines dropout on the combined "

@@ -31,6 +31,32 @@ def uses_materializing_path(config: DintConfig) -> bool:
     return config._attn_implementation == "eager" or config.integral == "softmax"
 
 
+ONE_PASS_ATTENTION_IMPLEMENTATIONS = ("flex_attention", "sdpa")
+"""The attention backends whose kernels take a value head dim (2*head_dim, one pass) other than the query/key head dim.
+FlashAttention's kernels do not."""
+
+ONE_PASS_BY_DEFAULT = ("flex_attention",)
+"""The backends where `one_pass_attention=None` makes one pass: measured faster than two calls (bench/README.md). sdpa
+is not: on CPU a wider V sends it to its math kernel (3.5x slower), and on CUDA to other kernels than FlashAttention."""
+
+
+def uses_one_pass_attention(config: DintConfig) -> bool:
+    """Whether the fast path computes the signal and noise outputs O1, O2 in one attention call over each KV head's
+    2*head_dim-wide V `[V half 1 | V half 2]` (Q.K^T once per map), instead of two calls over the halves (DiffLlama's).
+    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set."""
+    if uses_materializing_path(config) or config.one_pass_attention is False:
+        return False
+    if config.one_pass_attention is None:
+        return config._attn_implementation in ONE_PASS_BY_DEFAULT
+    if config._attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
+            f"the query/key head dim, got attn_implementation={config._attn_implementation!r}. Allowed: "
+            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
+        )
+    return True
+
+
 def valid_query_rows(
     attention_mask: torch.Tensor | None, batch_size: int, query_length: int
 ) -> torch.Tensor | None:
@@ -316,5 +342,6 @@ __all__ = [
     "document_starts",
     "segmented_running_sum",
     "uses_materializing_path",
+    "uses_one_pass_attention",
     "valid_query_rows",
 ]

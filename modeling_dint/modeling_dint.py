@@ -55,6 +55,7 @@ from .integral_dint import (
     document_starts,
     segmented_running_sum,
     uses_materializing_path,
+    uses_one_pass_attention,
     valid_query_rows,
 )
 
@@ -146,6 +147,13 @@ class _DenseMaskConfig:
 
     _attn_implementation = "sdpa"
     is_causal = True
+
+
+def differential_head_values(value_states: torch.Tensor) -> torch.Tensor:
+    """The 2*head_dim value channels of each KV head pair, `[V half 1 | V half 2]`: `[B, KV, S, d]` ->
+    `[B, KV/2, S, 2d]`. Pair k serves the differential heads whose signal maps read KV head k (noise maps: k + KV/2)."""
+    value_first_half, value_second_half = torch.chunk(value_states, 2, dim=1)
+    return torch.cat([value_first_half, value_second_half], dim=-1)
 
 
 class DintAttention(nn.Module):
@@ -245,16 +253,27 @@ class DintAttention(nn.Module):
         """O1 and O2 from the configured attention backend, then `O1 - lambda * O2 + lambda * running_mean(O1)`:
         `[B, T, H/2, 2d]`, fp32 (the model's dtype for integral "none")."""
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-        # As DiffLlama: two calls over the two halves of V (each repeated to every KV head), sharing Q and K.
-        value_states1, value_states2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value_states, 2, dim=1))
-        attn_output1, _ = attention_interface(
-            self, query_states, key_states, value_states1, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-        )
-        attn_output2, _ = attention_interface(
-            self, query_states, key_states, value_states2, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
-        )
+        if uses_one_pass_attention(self.config):
+            # One call over the 2d-wide V (Q.K^T once per map): KV head k reads [V half 1 | V half 2] of pair k mod
+            # KV/2, the values the two calls below give it, so the output [B, T, H, 2d] is theirs concatenated.
+            wide_values = differential_head_values(value_states).repeat(1, 2, 1, 1)  # [B, KV, S, 2d]
+            attn_output, _ = attention_interface(
+                self, query_states, key_states, wide_values, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            )
+        else:
+            # As DiffLlama: two calls over the two halves of V (each repeated to every KV head), sharing Q and K.
+            value_states1, value_states2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value_states, 2, dim=1))
+            attn_output1, _ = attention_interface(
+                self, query_states, key_states, value_states1, attention_mask, dropout=0.0, scaling=self.scaling,
+                **kwargs,
+            )
+            attn_output2, _ = attention_interface(
+                self, query_states, key_states, value_states2, attention_mask, dropout=0.0, scaling=self.scaling,
+                **kwargs,
+            )
+            attn_output = torch.cat([attn_output1, attn_output2], dim=-1)
         # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
-        signal_output, noise_output = torch.chunk(torch.cat([attn_output1, attn_output2], dim=-1), 2, dim=2)
+        signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
         lambda_full = self.lambda_full()
         if self.integral == "none":
             if cache_layer is not None:
@@ -298,9 +317,7 @@ class DintAttention(nn.Module):
             running_query_count = integral_layout.running_query_count if integral_layout is not None else None
             cache_layer.update_integral(self.integral, running_query_count, running_column_sums=running_column_sums)
 
-        # Value channels of differential head j: [V half 1 | V half 2] of its KV head, [B, H/2, K, 2d]
-        value_first_half, value_second_half = torch.chunk(value_states, 2, dim=1)
-        head_values = repeat_kv(torch.cat([value_first_half, value_second_half], dim=-1), self.num_key_value_groups)
+        head_values = repeat_kv(differential_head_values(value_states), self.num_key_value_groups)  # [B, H/2, K, 2d]
         attn_output = torch.matmul(final_weights, head_values.float())
         return attn_output.transpose(1, 2), attn_weights
 
