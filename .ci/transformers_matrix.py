@@ -36,7 +36,7 @@ import time
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL_RELEASES = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0")
+FULL_RELEASES = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0", "5.24.0")
 """The oldest supported release, releases in between, and the newest (keep in sync with TESTED_TRANSFORMERS_VERSIONS
 in modeling_dint/transformers_compat.py)."""
 FAST_RELEASES = (FULL_RELEASES[0], FULL_RELEASES[-1])

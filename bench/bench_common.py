@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from modeling_dint.transformers_compat import CACHE_ARGUMENT  # `cache` from transformers 5.24, `past_key_values` before
+
 
 MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,13 +134,13 @@ def prefill(model, input_ids: torch.Tensor):
     """Runs the prompt with a fresh cache; returns `(cache, next_token [B, 1])`."""
     with torch.no_grad():
         outputs = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    return outputs.past_key_values, outputs.logits[:, -1:].argmax(-1)
+    return outputs[CACHE_ARGUMENT], outputs.logits[:, -1:].argmax(-1)
 
 
 def decode_step(model, cache, next_token: torch.Tensor) -> torch.Tensor:
     """One greedy token with the cache (the cache grows by one position); returns the next token `[B, 1]`."""
     with torch.no_grad():
-        outputs = model(input_ids=next_token, past_key_values=cache, use_cache=True)
+        outputs = model(input_ids=next_token, use_cache=True, **{CACHE_ARGUMENT: cache})
     return outputs.logits[:, -1:].argmax(-1)
 
 

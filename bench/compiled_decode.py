@@ -71,7 +71,7 @@ def compiled_generate(model, input_ids, attention_mask, cache, new_tokens: int, 
     cache.reset()
     with torch.no_grad():
         return model.generate(
-            input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids, attention_mask=attention_mask, **{bench_common.CACHE_ARGUMENT: cache}, max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, compile_config=compile_config, pad_token_id=0,
             logits_processor=LogitsProcessorList([clock] if clock is not None else []),
         )

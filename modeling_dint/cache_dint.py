@@ -273,14 +273,14 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
                 state.copy_(state.index_select(0, beam_idx.to(state.device)))
 
 
-def check_dint_cache(past_key_values, config) -> None:
+def check_dint_cache(cache, config) -> None:
     """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
     none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
     integral mode or path. Nothing in the cache changes."""
-    layers = getattr(past_key_values, "layers", None)
+    layers = getattr(cache, "layers", None)
     if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
         raise ValueError(
-            f"DINT needs its integral statistics in the cache, and this {type(past_key_values).__name__} has none "
+            f"DINT needs its integral statistics in the cache, and this {type(cache).__name__} has none "
             f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
             "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
             "the model / generate() create it."

@@ -17,7 +17,12 @@ transformers and its sibling files.
 """
 
 # First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
-from .transformers_compat import build_dint_cache_layers, create_causal_mask  # noqa: I001
+from .transformers_compat import (  # noqa: I001
+    CACHE_ARGUMENT,
+    accepts_past_key_values,
+    build_dint_cache_layers,
+    create_causal_mask,
+)
 
 import torch
 from torch import nn
@@ -93,7 +98,7 @@ def create_dint_masks(
     config: DintConfig,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.Tensor,
 ) -> dict[str, torch.Tensor | None]:
     """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
@@ -103,7 +108,7 @@ def create_dint_masks(
     Args:
         inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
         attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
-        past_key_values (`Cache`, *optional*): the cache this forward continues.
+        cache (`Cache`, *optional*): the cache this forward continues.
         position_ids (`[B or 1, T]`): the positions of this forward's tokens.
 
     Returns:
@@ -112,15 +117,15 @@ def create_dint_masks(
     """
     # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
     # their block-diagonal mask even when `use_cache` created a cache.
-    mask_cache = past_key_values
-    if past_key_values is not None and not past_key_values.is_compileable and past_key_values.get_seq_length() == 0:
+    mask_cache = cache
+    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
         mask_cache = None
     materializing = uses_materializing_path(config)
     causal_mask = create_causal_mask(
         config=_DenseMaskConfig() if materializing else config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        past_key_values=mask_cache,
+        cache=mask_cache,
         position_ids=position_ids,
         allow_is_causal_skip=not materializing,
     )
@@ -135,9 +140,9 @@ def create_dint_masks(
     return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
 
 
-def default_position_ids(inputs_embeds: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor:
+def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
     """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
-    past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
     return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
 
 
@@ -203,7 +208,6 @@ class DintAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         integral_layout: DintIntegralLayout | None,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
@@ -211,6 +215,8 @@ class DintAttention(nn.Module):
             hidden_states (`[B, T, hidden_size]`), position_embeddings (cos, sin `[B, T, head_dim]`).
             attention_mask: the backend's mask (fast path), or the boolean `[B, 1, T, K]` mask (materializing path).
             integral_layout (`DintIntegralLayout`): the forward's query rows and documents (None for integral "none").
+            kwargs: the cache, under the name the installed transformers' decoder layer passes it
+                (`transformers_compat.CACHE_ARGUMENT`), and the attention backend's keyword arguments.
 
         Returns:
             attn_output `[B, T, hidden_size]`, and on the materializing path the maps `[B, H, T, K]` (the H/2 signal
@@ -226,10 +232,10 @@ class DintAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        cache_layer = None
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-            cache_layer = past_key_values.layers[self.layer_idx]
+        cache, cache_layer = kwargs.pop(CACHE_ARGUMENT, None), None
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+            cache_layer = cache.layers[self.layer_idx]
 
         if uses_materializing_path(self.config):
             attn_output, attn_weights = self._materialized_attention(
@@ -373,7 +379,7 @@ class DintPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DintDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARGUMENT]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -441,6 +447,7 @@ class DintModel(DintPreTrainedModel):
 
         self.post_init()
 
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
@@ -449,7 +456,7 @@ class DintModel(DintPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -463,31 +470,31 @@ class DintModel(DintPreTrainedModel):
         # --- serving hook: continuous batching passes its paged cache as `cache`; modeling_dint/serving.py gives it a
         # DINT step, which stands in for the cache (K/V written once, each request's integral carried) and the layout.
         integral_layout = None
-        paged_step = getattr(kwargs.get("cache"), "dint_paged_step", None)
+        paged_step = getattr(cache, "dint_paged_step", None)
         if paged_step is not None:
-            past_key_values, integral_layout, kwargs = paged_step(self.config, position_ids, kwargs)
+            cache, integral_layout, kwargs = paged_step(self.config, position_ids, kwargs)
         # --- end of serving hook ---
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None and paged_step is None:  # (serving hook: `and paged_step is None`)
-            build_dint_cache_layers(past_key_values, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
-            check_dint_cache(past_key_values, self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None and paged_step is None:  # (serving hook: `and paged_step is None`)
+            build_dint_cache_layers(cache, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
+            check_dint_cache(cache, self.config)
 
         given_position_ids = position_ids
         if position_ids is None:
-            position_ids = default_position_ids(inputs_embeds, past_key_values)
+            position_ids = default_position_ids(inputs_embeds, cache)
 
         if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
             masks = attention_mask  # prepared by generate() (create_masks_for_generate) for a compiled step
         else:
-            masks = create_dint_masks(self.config, inputs_embeds, attention_mask, past_key_values, position_ids)
+            masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         causal_mask = masks[DINT_LAYER_TYPE]
 
         if integral_layout is None:  # (serving hook: a continuous-batching step brings its own layout)
             query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
             integral_layout = self.integral_layout(
-                inputs_embeds, query_valid, given_position_ids, past_key_values, cu_seq_lens_q
+                inputs_embeds, query_valid, given_position_ids, cache, cu_seq_lens_q
             )
 
         hidden_states = inputs_embeds
@@ -499,8 +506,8 @@ class DintModel(DintPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **{CACHE_ARGUMENT: cache},
                 integral_layout=integral_layout,
                 **kwargs,
             )
@@ -508,7 +515,7 @@ class DintModel(DintPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
+            **{CACHE_ARGUMENT: cache},
         )
 
     def integral_layout(
@@ -516,7 +523,7 @@ class DintModel(DintPreTrainedModel):
         inputs_embeds: torch.Tensor,
         query_valid: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         cu_seq_lens_q: torch.Tensor | None = None,
     ) -> DintIntegralLayout | None:
         """The forward's `DintIntegralLayout`, shared by all layers (None for integral "none").
@@ -529,9 +536,9 @@ class DintModel(DintPreTrainedModel):
         batch_size, query_length = inputs_embeds.shape[:2]
         document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
         past_query_count, carry_kept = None, False
-        if past_key_values is not None:
-            past_query_count = past_key_values.layers[0].past_query_count()
-            carry_kept = past_key_values.get_seq_length() > 0
+        if cache is not None:
+            past_query_count = cache.layers[0].past_query_count()
+            carry_kept = cache.get_seq_length() > 0
         return DintIntegralLayout.build(
             query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device, carry_kept
         )
@@ -554,20 +561,21 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
     # Llama's: the decoder's last hidden states (those of `logits_to_keep`) through the LM head, and the loss.
     forward = LlamaForCausalLM.forward
 
+    @accepts_past_key_values
     def create_masks_for_generate(
         self,
         config: DintConfig,
         inputs_embeds: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> dict[str, torch.Tensor | None]:
         """What generate() calls, for a compileable (static) cache, to build the step's masks before the forward: the
         DINT masks (`create_dint_masks`), whose shapes do not change from one decoding step to the next."""
         if position_ids is None:
-            position_ids = default_position_ids(inputs_embeds, past_key_values)
-        return create_dint_masks(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+            position_ids = default_position_ids(inputs_embeds, cache)
+        return create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids)
 
 
 class DintForSequenceClassification(GenericForSequenceClassification, DintPreTrainedModel):

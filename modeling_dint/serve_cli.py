@@ -4,8 +4,9 @@
     dint-serve ./dint-model --continuous-batching --host 127.0.0.1 --port 8000
 
 It is `transformers serve` (the same app, handlers and flags: `dint-serve --help`), with one difference: transformers
-5.23's model manager resolves the model class as `getattr(transformers, config.architectures[0])`, which fails for any
-model that transformers does not ship (`AttributeError: module transformers has no attribute DintForCausalLM`).
+5.23's and 5.24's model manager resolves the model class as `getattr(transformers, config.architectures[0])`, which
+fails for any model that transformers does not ship (`AttributeError: module transformers has no attribute
+DintForCausalLM`).
 Here an architecture that transformers does not name loads through `AutoModelForCausalLM`, where importing
 `modeling_dint` has registered DINT (and `--trust-remote-code` loads other custom code); and `/v1/models` lists the
 model the server was started with.
@@ -15,7 +16,8 @@ The upstream change that makes this script unnecessary, in `transformers/cli/ser
 
     architecture = getattr(transformers, config.architectures[0], None) or AutoModelForCausalLM
 
-and, in `ModelManager.get_gen_models`, the forced model listed first (and an empty list without a Hub cache).
+and, in `ModelManager.get_gen_models` (5.23), the forced model listed first (and an empty list without a Hub cache);
+transformers 5.24 does that itself (`ModelManager.list_models`).
 
 Requires the serving extra: `pip install "modeling-dint[serve]"`.
 """
@@ -42,14 +44,16 @@ def install_serving_model_manager() -> None:
     from huggingface_hub.errors import CacheNotFound
     from transformers.cli.serving import model_manager
 
-    if not (hasattr(model_manager, "transformers") and hasattr(model_manager.ModelManager, "get_gen_models")):
+    lists_served_model = hasattr(model_manager.ModelManager, "list_models")  # 5.24: `force_model` listed alone
+    lists_cached_models = hasattr(model_manager.ModelManager, "get_gen_models")  # 5.23
+    if not (hasattr(model_manager, "transformers") and (lists_served_model or lists_cached_models)):
         raise RuntimeError(
             "transformers.cli.serving.model_manager changed (transformers "
             f"{transformers.__version__}): check whether `transformers serve` loads custom models now, and update "
             "modeling_dint/serve_cli.py."
         )
     model_manager.transformers = _ArchitecturesOrAutoModel()
-    if getattr(model_manager.ModelManager, "lists_served_model", False):
+    if lists_served_model or getattr(model_manager.ModelManager, "lists_served_model", False):
         return
 
     class ServedModelManager(model_manager.ModelManager):

@@ -16,7 +16,7 @@ more things, both here:
   (`PagedAttentionCache.update`), then calls the backend with a cache that writes nothing.
 
 Every transformers internal this depends on is used in this module only (listed in `TRANSFORMERS_INTERNALS`), read in
-transformers 5.23; `tests/test_serving.py` checks each of them and fails loudly when one changes.
+transformers 5.23 and 5.24; `tests/test_serving.py` checks each of them and fails loudly when one changes.
 """
 
 import torch
@@ -27,10 +27,13 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 
 from .configuration_dint import DINT_LAYER_TYPE
 from .integral_dint import DintIntegralLayout, segmented_running_sum
+from .transformers_compat import HAS_CACHE_ARGUMENT
 
 
-WRITTEN_FOR_TRANSFORMERS = "5.23"
-"""The transformers release (major.minor) whose continuous-batching internals this module was written against."""
+WRITTEN_FOR_TRANSFORMERS = ("5.23", "5.24")
+"""The transformers releases (major.minor) whose continuous-batching internals this module was written against. From
+5.24 the model writes the paged K/V itself (`cache.update` in the attention, as Llama) and the paged backends write
+nothing; on 5.23 they write the cache they are given, so a DINT layer gives them one that writes nothing."""
 
 TRANSFORMERS_INTERNALS = {
     "continuous_batching.cache.ATTN_TYPE_TO_ALLOCATOR": "registry of cache allocators by layer type (DINT's is added)",
@@ -45,17 +48,18 @@ TRANSFORMERS_INTERNALS = {
 
 
 def installed_release() -> str:
-    """The installed transformers' minor release, e.g. "5.23"."""
+    """The installed transformers' minor release, e.g. "5.24"."""
     return ".".join(transformers.__version__.split(".")[:2])
 
 
 def check_transformers_release() -> None:
     """Fails with both versions named when the installed transformers is not the release this module was read in."""
-    if installed_release() != WRITTEN_FOR_TRANSFORMERS:
+    if installed_release() not in WRITTEN_FOR_TRANSFORMERS:
+        releases = " or ".join(f"{release}.x" for release in WRITTEN_FOR_TRANSFORMERS)
         raise RuntimeError(
             f"DINT's continuous-batching integration (modeling_dint/serving.py) was written for the internals of "
-            f"transformers {WRITTEN_FOR_TRANSFORMERS}.x; transformers {transformers.__version__} is installed. "
-            f"Install transformers=={WRITTEN_FOR_TRANSFORMERS}.* to serve DINT with continuous batching, or port the "
+            f"transformers {releases}; transformers {transformers.__version__} is installed. Install "
+            f"transformers=={WRITTEN_FOR_TRANSFORMERS[-1]}.* to serve DINT with continuous batching, or port the "
             "module (tests/test_serving.py names what to check)."
         )
 
@@ -225,7 +229,8 @@ def dint_paged_step(paged_cache: PagedAttentionCache, config, position_ids, kwar
     allocator = next(iter(paged_cache.cache_allocators.values()))
     step = DintPagedStep(paged_cache, allocator, config, position_ids, kwargs)
     layer_kwargs = dict(kwargs)
-    layer_kwargs["cache"] = _KeysValuesWritten()
+    if not HAS_CACHE_ARGUMENT:  # before 5.24 the paged backends write the K/V of the cache given to them as `cache`
+        layer_kwargs["cache"] = _KeysValuesWritten()
     layer_kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
     layer_kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
     return step, step.layout, layer_kwargs
@@ -257,7 +262,7 @@ _original_paged_cache_init = PagedAttentionCache.__init__
 def enable_continuous_batching() -> None:
     """Registers DINT with transformers' continuous batching (idempotent; importing `modeling_dint` calls it). On
     another release nothing is patched: its internals were not read (`check_transformers_release` says so)."""
-    if installed_release() != WRITTEN_FOR_TRANSFORMERS:
+    if installed_release() not in WRITTEN_FOR_TRANSFORMERS:
         return
     ATTN_TYPE_TO_ALLOCATOR[DINT_LAYER_TYPE] = DintPagedCacheAllocator
     if continuous_batching_cache.PagedAttentionCache.__init__ is not _init_paged_cache_with_dint:

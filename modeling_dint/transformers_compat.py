@@ -11,6 +11,7 @@ of an ImportError from inside transformers. It imports only `transformers`' top 
 check, so it runs on any transformers.
 """
 
+import functools
 import inspect
 
 import torch
@@ -21,7 +22,7 @@ from packaging.version import Version
 MINIMUM_TRANSFORMERS_VERSION = "5.5.0"
 """The oldest transformers release DINT runs on (`setup.py`'s `install_requires` states the same bound)."""
 
-TESTED_TRANSFORMERS_VERSIONS = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0")
+TESTED_TRANSFORMERS_VERSIONS = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0", "5.24.0")
 """The releases `.ci/transformers_matrix.py --full` runs the remote code and the core test suite on."""
 
 
@@ -49,29 +50,64 @@ check_transformers_version()
 from transformers import cache_utils, masking_utils  # noqa: E402  (only on a supported release)
 
 
-# --- `create_causal_mask(..., allow_is_causal_skip=...)`: the argument exists from 5.15; this bridge serves 5.5 - 5.14
-def create_causal_mask_before_5_15(*, allow_is_causal_skip: bool = True, **kwargs):
-    """`transformers.masking_utils.create_causal_mask`, where `allow_is_causal_skip=False` always returns a mask.
+# --- the cache's keyword: `cache` from 5.24 (transformers renamed `past_key_values`, which it still accepts with a
+# FutureWarning until 5.40), `past_key_values` on 5.5 - 5.23. DINT's own code says `cache`; this bridge serves
+# 5.5 - 5.23.
+HAS_CACHE_ARGUMENT = "cache" in inspect.signature(masking_utils.create_causal_mask).parameters
+CACHE_ARGUMENT = "cache" if HAS_CACHE_ARGUMENT else "past_key_values"
+"""The keyword under which the installed transformers passes the cache between a model, its decoder layers and
+`generate()`, and names it in a model output (`BaseModelOutputWithPast.cache` from 5.24)."""
 
-    Before 5.15 sdpa's mask function returns None where the mask is plainly causal (no padding, no packing, a dynamic
-    cache or none). The materializing path needs the boolean mask itself: it is then `[B, 1, T, past + T]`, True where
-    key j <= past + query row i.
+
+def accepts_past_key_values(function):
+    """Decorates a forward (or `create_masks_for_generate`) whose cache parameter is `cache`.
+
+    From 5.24: transformers' own `deprecate_kwarg("past_key_values", new_name="cache")`, as on Llama's forward (a
+    caller's `past_key_values=` still works, with transformers' FutureWarning). On 5.5 - 5.23 `past_key_values` is the
+    name transformers itself passes, so it is renamed to `cache` silently.
     """
+    if HAS_CACHE_ARGUMENT:
+        from transformers.utils.deprecation import deprecate_kwarg
+
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(function)
+
+    @functools.wraps(function)
+    def renamed(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            past_key_values = kwargs.pop("past_key_values")
+            if kwargs.get("cache") is not None and past_key_values is not None:
+                raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not both.")
+            kwargs["cache"] = kwargs.get("cache") if past_key_values is None else past_key_values
+        return function(*args, **kwargs)
+
+    return renamed
+
+
+def create_causal_mask(*, cache, allow_is_causal_skip: bool = True, **kwargs):
+    """`transformers.masking_utils.create_causal_mask`, with the cache given as `cache` on every release, and where
+    `allow_is_causal_skip=False` always returns a mask (the argument exists from 5.15)."""
+    kwargs[CACHE_ARGUMENT] = cache
+    if HAS_CAUSAL_SKIP_ARGUMENT:
+        return masking_utils.create_causal_mask(allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    return create_causal_mask_before_5_15(allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def create_causal_mask_before_5_15(*, allow_is_causal_skip: bool = True, **kwargs):
+    """5.5 - 5.14: sdpa's mask function returns None where the mask is plainly causal (no padding, no packing, a
+    dynamic cache or none). The materializing path needs the boolean mask itself: it is then `[B, 1, T, past + T]`,
+    True where key j <= past + query row i. `kwargs` are `create_causal_mask`'s, the cache under `CACHE_ARGUMENT`."""
     causal_mask = masking_utils.create_causal_mask(**kwargs)
     if causal_mask is not None or allow_is_causal_skip:
         return causal_mask
-    inputs_embeds = kwargs["inputs_embeds"]
+    inputs_embeds, cache = kwargs["inputs_embeds"], kwargs.get(CACHE_ARGUMENT)
     batch_size, query_length = inputs_embeds.shape[:2]
-    past_key_values = kwargs.get("past_key_values")
-    past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    past_length = cache.get_seq_length() if cache is not None else 0
     allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=inputs_embeds.device)
     return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
 
 
-if "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters:
-    create_causal_mask = masking_utils.create_causal_mask
-else:
-    create_causal_mask = create_causal_mask_before_5_15
+HAS_CAUSAL_SKIP_ARGUMENT = "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters
+"""`create_causal_mask(allow_is_causal_skip=...)` exists from 5.15 (the fallback above serves 5.5 - 5.14)."""
 
 
 # --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14 -------
@@ -79,21 +115,21 @@ HAS_CACHE_LAYER_REGISTRY = hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING")
 """From 5.14, `DynamicCache(config=...)` / `StaticCache(config=...)` build the DINT layers named by `layer_types`."""
 
 
-def build_dint_cache_layers(past_key_values, dynamic_layer_class: type, static_layer_class: type) -> None:
+def build_dint_cache_layers(cache, dynamic_layer_class: type, static_layer_class: type) -> None:
     """On transformers 5.5 - 5.13 (no cache-layer registry), `DynamicCache(config=...)` / `StaticCache(config=...)`
     build plain layers for the `dint_attention` layers: this replaces them, in place, by `dynamic_layer_class` /
     `static_layer_class` (the DINT layers), so that the caches `generate()` builds carry the integral statistics.
     A no-op from 5.14. The classes are arguments because this module imports no sibling file: a remote-code load of
     the configuration copies only the files it imports."""
     if not HAS_CACHE_LAYER_REGISTRY:
-        replace_plain_cache_layers(past_key_values, dynamic_layer_class, static_layer_class)
+        replace_plain_cache_layers(cache, dynamic_layer_class, static_layer_class)
 
 
-def replace_plain_cache_layers(past_key_values, dynamic_layer_class: type, static_layer_class: type) -> None:
+def replace_plain_cache_layers(cache, dynamic_layer_class: type, static_layer_class: type) -> None:
     """The replacement itself. Only empty `DynamicLayer` / `StaticLayer` objects are replaced, so a filled cache of
     plain layers, or a bare `DynamicCache()` (no layers yet), is still refused by the model; a cache built from
     another config keeps its number of layers, which the model checks."""
-    layers = getattr(past_key_values, "layers", None) or []
+    layers = getattr(cache, "layers", None) or []
     for layer_idx, layer in enumerate(layers):
         if type(layer) is cache_utils.DynamicLayer and not layer.is_initialized:
             layers[layer_idx] = dynamic_layer_class()
@@ -114,6 +150,9 @@ __all__ = [
     "UnsupportedTransformersError",
     "check_transformers_version",
     "create_causal_mask",
+    "CACHE_ARGUMENT",
+    "HAS_CACHE_ARGUMENT",
+    "accepts_past_key_values",
     "HAS_CACHE_LAYER_REGISTRY",
     "GENERATE_RECORDS_PAST_FOR_CROP",
     "build_dint_cache_layers",

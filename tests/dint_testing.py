@@ -5,6 +5,18 @@ import inspect
 import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint.transformers_compat import CACHE_ARGUMENT
+
+
+def with_cache(cache) -> dict:
+    """The cache as keyword arguments of a forward or generate(), under the installed transformers' name (`cache`
+    from 5.24, `past_key_values` before), so that the tests run warning-free on every supported release."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def cache_of(output):
+    """The cache a model output returns (`output.cache` from transformers 5.24, `output.past_key_values` before)."""
+    return output[CACHE_ARGUMENT]
 
 
 def tiny_config(**overrides) -> DintConfig:

@@ -3,7 +3,7 @@ model's statistics is refused with the reason, and beam search reorders the stat
 
 import pytest
 import torch
-from dint_testing import tiny_model
+from dint_testing import cache_of, tiny_model, with_cache
 from transformers import DynamicCache
 
 from modeling_dint import DintConfig
@@ -22,10 +22,10 @@ def test_a_refused_crop_changes_nothing():
     model = tiny_model()
     input_ids = torch.randint(2, 128, (1, 7))
     with torch.no_grad():
-        cache = model(input_ids[:, :5], use_cache=True).past_key_values
+        cache = cache_of(model(input_ids[:, :5], use_cache=True))
         for layer in cache.layers:  # (`Cache.activate_past_recording` exists from transformers 5.14)
             layer.activate_past_recording()
-        model(input_ids[:, 5:], past_key_values=cache)  # 2 recorded rows
+        model(input_ids[:, 5:], **with_cache(cache))  # 2 recorded rows
     lengths, states = cache_lengths(cache), integral_states(cache)
     with pytest.raises(ValueError, match="Cannot crop 3 tokens"):
         cache.crop(-3)
@@ -49,10 +49,10 @@ def test_a_refused_crop_changes_nothing():
 def test_a_cache_of_another_integral_mode_or_path_is_refused(filled_by, continued_by, message):
     input_ids = torch.randint(2, 128, (1, 6))
     with torch.no_grad():
-        cache = tiny_model(**filled_by)(input_ids[:, :4], use_cache=True).past_key_values
+        cache = cache_of(tiny_model(**filled_by)(input_ids[:, :4], use_cache=True))
         lengths = cache_lengths(cache)
         with pytest.raises(ValueError, match=message):
-            tiny_model(**continued_by)(input_ids[:, 4:], past_key_values=cache)
+            tiny_model(**continued_by)(input_ids[:, 4:], **with_cache(cache))
     assert cache_lengths(cache) == lengths
 
 
@@ -60,7 +60,7 @@ def test_a_cache_with_fewer_dint_layers_than_the_model_is_refused():
     model = tiny_model()
     smaller = DintConfig(**{**model.config.to_dict(), "num_hidden_layers": 1})
     with pytest.raises(ValueError, match="1 DINT layers and the model 2"):
-        model(torch.randint(2, 128, (1, 4)), past_key_values=DynamicCache(config=smaller))
+        model(torch.randint(2, 128, (1, 4)), **with_cache(DynamicCache(config=smaller)))
 
 
 def test_a_cache_holding_tokens_without_integral_statistics_is_refused():
@@ -73,7 +73,7 @@ def test_a_cache_holding_tokens_without_integral_statistics_is_refused():
     # layers only while they are empty): a filled one is refused as a cache without DINT statistics.
     message = "holds 3 tokens but no integral statistics" if HAS_CACHE_LAYER_REGISTRY else "has none"
     with pytest.raises(ValueError, match=message):
-        model(torch.randint(2, 128, (1, 4)), past_key_values=cache)
+        model(torch.randint(2, 128, (1, 4)), **with_cache(cache))
 
 
 @pytest.mark.parametrize("integral", ["mean", "softmax"])

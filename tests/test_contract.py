@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch._dynamo
-from dint_testing import left_padded_batch, tiny_config, tiny_model
+from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model
 from transformers import AutoConfig, CompileConfig
 
 from modeling_dint import (
@@ -112,7 +112,7 @@ def test_output_shapes():
     assert all(state.shape == (batch_size, length, config.hidden_size) for state in output.hidden_states)
     assert len(output.attentions) == config.num_hidden_layers
     assert all(maps.shape == (batch_size, config.num_attention_heads, length, length) for maps in output.attentions)
-    cache = output.past_key_values
+    cache = cache_of(output)
     assert len(cache.layers) == config.num_hidden_layers and cache.get_seq_length() == length
     key_shape = (batch_size, config.num_key_value_heads, length, config.head_dim)
     assert all(layer.keys.shape == key_shape and layer.values.shape == key_shape for layer in cache.layers)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from dint_testing import tiny_model
+from dint_testing import cache_of, tiny_model
 from transformers import AutoTokenizer, CompileConfig, GenerationConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
@@ -156,7 +156,7 @@ def test_offloaded_cache_keeps_the_integral_exact(attn_implementation, integral)
         output_logits=True,
         return_dict_in_generate=True,
     )
-    cache = output.past_key_values
+    cache = cache_of(output)
     # The KV went to the host: after the last step, the last layer is offloaded (layer 0 was prefetched back).
     assert cache.offloading and cache.layers[-1].keys.device.type == "cpu"
     assert cache.layers[0].query_count.device.type == "cuda"  # the integral state stays on the compute device

@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from dint_testing import left_padded_batch, tiny_model
+from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
 from transformers import DynamicCache, StaticCache
 
 from modeling_dint import DintDynamicLayer, dint_attention_map
@@ -120,10 +120,10 @@ def test_user_cache_continued_across_two_generate_calls(attn_implementation, int
     model = tiny_model(attn_implementation, integral=integral)
     input_ids = torch.randint(2, 128, (1, 6))
     cache = DynamicCache(config=model.config)
-    first = model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    first = model.generate(input_ids, **with_cache(cache), max_new_tokens=NEW_TOKENS, do_sample=False)
     follow_up = torch.cat([first, torch.randint(2, 128, (1, 3))], dim=-1)
     second = model.generate(
-        follow_up, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+        follow_up, **with_cache(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
         return_dict_in_generate=True, output_logits=True,
     )
     reference = model.generate(follow_up, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False)
@@ -175,7 +175,7 @@ def test_prefill_leaves_only_the_last_row_in_the_cache(attn_implementation, inte
     running tensor of the prompt alive (O(T) per layer, O(T^2) for the column sums)."""
     model = tiny_model(attn_implementation, integral=integral)
     with torch.no_grad():
-        cache = model(torch.randint(2, 128, (2, 64)), use_cache=True).past_key_values
+        cache = cache_of(model(torch.randint(2, 128, (2, 64)), use_cache=True))
     for layer in cache.layers:
         states = [state for state in layer.integral_state() if state is not None]
         assert states
@@ -188,7 +188,7 @@ def test_mean_state_does_not_grow_with_the_sequence():
     sizes = []
     for new_tokens in (4, 40):
         cache = DynamicCache(config=model.config)
-        model.generate(torch.randint(2, 128, (2, 16)), past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+        model.generate(torch.randint(2, 128, (2, 16)), **with_cache(cache), max_new_tokens=new_tokens, do_sample=False)
         sizes.append(integral_state_bytes(cache))
         layer = cache.layers[0]
         assert layer.signal_sum.shape == (2, 2, 2 * model.config.head_dim) and layer.signal_sum.dtype == torch.float32
@@ -203,13 +203,13 @@ def test_batch_operations_carry_the_integral_state(attn_implementation):
     next_tokens = torch.randint(2, 128, (2, 1))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids, attention_mask=attention_mask, past_key_values=cache)
+        model(input_ids, attention_mask=attention_mask, **with_cache(cache))
         cache.batch_repeat_interleave(2)
         cache.reorder_cache(torch.tensor([3, 2, 1, 0]))
         cache.batch_select_indices(torch.tensor([0, 3]))  # rows 1 and 0 of the original batch
         order = torch.tensor([1, 0])
         full_mask = torch.cat([attention_mask[order], attention_mask.new_ones(2, 1)], dim=-1)
-        step = model(next_tokens, attention_mask=full_mask, past_key_values=cache).logits
+        step = model(next_tokens, attention_mask=full_mask, **with_cache(cache)).logits
         full = model(torch.cat([input_ids[order], next_tokens], dim=-1), attention_mask=full_mask).logits
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
 
@@ -220,13 +220,13 @@ def test_crop_rolls_back_recorded_tokens_and_refuses_more(attn_implementation):
     input_ids = torch.randint(2, 128, (1, 10))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids[:, :6], past_key_values=cache)
+        model(input_ids[:, :6], **with_cache(cache))
         for layer in cache.layers:  # per layer: `Cache.activate_past_recording` exists from transformers 5.14
             layer.activate_past_recording()
-        model(input_ids[:, 6:9], past_key_values=cache)
+        model(input_ids[:, 6:9], **with_cache(cache))
         cache.crop(-2)  # back to 7 tokens
         assert cache.get_seq_length() == 7
-        step = model(input_ids[:, 7:8], past_key_values=cache).logits
+        step = model(input_ids[:, 7:8], **with_cache(cache)).logits
         full = model(input_ids[:, :8]).logits
         torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
         # The recording restarted at the crop: one recorded token now, so two cannot be rolled back.
@@ -239,7 +239,7 @@ def test_crop_rolls_back_recorded_tokens_and_refuses_more(attn_implementation):
 def test_bare_dynamic_cache_is_refused_with_the_fix():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
-        model(torch.randint(2, 128, (1, 5)), past_key_values=DynamicCache())
+        model(torch.randint(2, 128, (1, 5)), **with_cache(DynamicCache()))
 
 
 def test_static_cache_built_by_the_user():
@@ -247,8 +247,8 @@ def test_static_cache_built_by_the_user():
     input_ids = torch.randint(2, 128, (1, 9))
     with torch.no_grad():
         cache = StaticCache(config=model.config, max_cache_len=16)
-        model(input_ids[:, :6], past_key_values=cache)
-        steps = [model(input_ids[:, t : t + 1], past_key_values=cache).logits for t in range(6, 9)]
+        model(input_ids[:, :6], **with_cache(cache))
+        steps = [model(input_ids[:, t : t + 1], **with_cache(cache)).logits for t in range(6, 9)]
         full = model(input_ids).logits
         cache.reset()
         assert cache.get_seq_length() == 0 and cache.layers[0].query_count.abs().sum() == 0
@@ -289,10 +289,10 @@ def test_compiled_decode_step_with_static_cache_matches_eager():
     with torch.no_grad():
         full = model(input_ids).logits
         cache = StaticCache(config=model.config, max_cache_len=16)
-        model(input_ids[:, :6], past_key_values=cache)
+        model(input_ids[:, :6], **with_cache(cache))
         decode_step = torch.compile(model.forward, fullgraph=True, dynamic=False)
         steps = [
-            decode_step(input_ids[:, t : t + 1], past_key_values=cache, position_ids=torch.full((2, 1), t)).logits
+            decode_step(input_ids[:, t : t + 1], **with_cache(cache), position_ids=torch.full((2, 1), t)).logits
             for t in range(6, 10)
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 6:], atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ cache; `one_pass_attention` decides it once per model."""
 
 import pytest
 import torch
-from dint_testing import left_padded_batch, tiny_config, tiny_model
+from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
 
 from modeling_dint import DintConfig
 from modeling_dint.integral_dint import uses_one_pass_attention
@@ -98,15 +98,16 @@ def test_one_pass_packed_sequences_equal_each_document_alone(integral):
 def test_one_pass_cached_decoding_equals_the_full_forward(integral):
     """A prompt fills the cache in one pass, then tokens one at a time: each step's logits equal the full forward's
     (no padding mask: torch 2.13's CPU inductor fails to compile the flex decode kernel with one, for every model and
-    for both the one-pass and the two-call path, see README)."""
+    for both the one-pass and the two-call path, see README). The prompt is not 8 tokens long: torch 2.13's compiled
+    CPU flex_attention with grouped KV heads returns NaN now and then for exactly 8 queries and keys (for Llama too)."""
     model = tiny_model("flex_attention", integral=integral)
-    input_ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(4))
-    prompt_length = 8
+    input_ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(4))
+    prompt_length = 9
     full = logits_of(model, input_ids=input_ids)
     with torch.no_grad():
         output = model(input_ids[:, :prompt_length], use_cache=True)
         torch.testing.assert_close(output.logits, full[:, :prompt_length], atol=1e-5, rtol=1e-5)
-        cache = output.past_key_values
+        cache = cache_of(output)
         for position in range(prompt_length, input_ids.shape[1]):
-            step = model(input_ids[:, position : position + 1], past_key_values=cache, use_cache=True)
+            step = model(input_ids[:, position : position + 1], **with_cache(cache), use_cache=True)
             torch.testing.assert_close(step.logits[:, 0], full[:, position], atol=1e-5, rtol=1e-5, msg=f"{position}")

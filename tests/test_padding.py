@@ -3,7 +3,7 @@ their logits, cached or not, and generate()'s tokens equal those of the same row
 
 import pytest
 import torch
-from dint_testing import tiny_model
+from dint_testing import cache_of, tiny_model, with_cache
 
 
 INTEGRALS = ["mean", "softmax"]
@@ -62,14 +62,14 @@ def test_decoding_after_pads_inside_a_row_continues_the_row(attn_implementation,
     with torch.no_grad():
         reference = model(torch.cat([TOKENS[None], continuation], dim=-1)).logits[0, len(TOKENS) :]
         output = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-        cache, next_position = output.past_key_values, position_ids[:, -1:] + 1
+        cache, next_position = cache_of(output), position_ids[:, -1:] + 1
         for step in range(continuation.shape[1]):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(1, 1)], dim=-1)
             step_logits = model(
                 continuation[:, step : step + 1],
                 attention_mask=attention_mask,
                 position_ids=next_position + step,
-                past_key_values=cache,
+                **with_cache(cache),
             ).logits[0, -1]
             torch.testing.assert_close(step_logits, reference[step], atol=1e-5, rtol=1e-5, msg=f"step {step}")
 

@@ -5,13 +5,15 @@ of them fails here first, with the name to look at, instead of somewhere inside 
 The bridges for older releases are also run here against the newest release's own implementation.
 """
 
+import inspect
 import os
 import re
+import warnings
 
 import pytest
 import torch
 import transformers
-from dint_testing import left_padded_batch, tiny_model
+from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
 from transformers import StaticCache, cache_utils, masking_utils
 
 from modeling_dint import DintDynamicLayer, DintStaticLayer
@@ -55,16 +57,15 @@ def test_create_causal_mask_bridge_matches_transformers(padded):
         config=_sdpa_mask_config(),
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        past_key_values=None,
         position_ids=torch.arange(6)[None],
     )
-    bridged = compat.create_causal_mask_before_5_15(allow_is_causal_skip=False, **kwargs)
+    bridged = compat.create_causal_mask_before_5_15(allow_is_causal_skip=False, **kwargs, **{compat.CACHE_ARGUMENT: None})
     assert bridged is not None and bridged.shape == (2, 1, 6, 6) and bridged.dtype == torch.bool
     expected = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None, :]
     assert torch.equal(bridged, expected.expand_as(bridged))
     if INSTALLED >= (5, 15):
-        assert compat.create_causal_mask is masking_utils.create_causal_mask
-        native = masking_utils.create_causal_mask(allow_is_causal_skip=False, **kwargs)
+        assert compat.HAS_CAUSAL_SKIP_ARGUMENT
+        native = compat.create_causal_mask(allow_is_causal_skip=False, cache=None, **kwargs)
         assert native is not None and torch.equal(native, bridged), changed(
             "transformers.masking_utils.create_causal_mask(allow_is_causal_skip=False)",
             "5.15 - 5.23",
@@ -103,8 +104,8 @@ def test_cache_layers_for_dint_layer_types(cache_kind):
     assert all(type(layer) is expected_class for layer in cache.layers)
     input_ids = torch.randint(2, 128, (1, 6))
     with torch.no_grad():
-        prefill = model(input_ids[:, :5], past_key_values=cache)
-        step = model(input_ids[:, 5:], past_key_values=prefill.past_key_values).logits
+        prefill = model(input_ids[:, :5], **with_cache(cache))
+        step = model(input_ids[:, 5:], **with_cache(cache_of(prefill))).logits
         full = model(input_ids).logits
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
 
@@ -115,3 +116,33 @@ def test_generate_rolls_back_by_recording_where_the_flag_says():
         "5.14 - 5.23",
         "GENERATE_RECORDS_PAST_FOR_CROP no longer tells whether generate() records past states before a crop",
     )
+
+
+def test_the_cache_keyword_is_the_installed_releases():
+    """`CACHE_ARGUMENT` is the name transformers' own Llama passes the cache by (`cache` from 5.24, `past_key_values`
+    before); a DINT forward accepts both names on every release and returns the cache under the installed one."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
+
+    for forward in (LlamaModel.forward, LlamaForCausalLM.forward):
+        parameters = inspect.signature(inspect.unwrap(forward)).parameters
+        assert compat.CACHE_ARGUMENT in parameters, changed(
+            f"{forward.__qualname__}'s cache parameter",
+            "5.5 - 5.24",
+            f"`{compat.CACHE_ARGUMENT}` is not among {list(parameters)}",
+        )
+    assert compat.HAS_CACHE_ARGUMENT == (INSTALLED >= (5, 24))
+    model = tiny_model()
+    input_ids = torch.randint(2, 128, (1, 6))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.24 deprecates `past_key_values=` (as on Llama)
+        full = model(input_ids).logits
+        for old_name in (False, True):
+            cache = transformers.DynamicCache(config=model.config)
+            name = "past_key_values" if old_name else compat.CACHE_ARGUMENT
+            prefill = model.model(input_ids[:, :5], **{name: cache})
+            assert prefill[compat.CACHE_ARGUMENT] is cache and cache.get_seq_length() == 5
+            step = model(input_ids[:, 5:], **{name: cache}).logits
+            torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
+        if not compat.HAS_CACHE_ARGUMENT:  # (from 5.24 transformers' deprecate_kwarg keeps `cache` and warns)
+            with pytest.raises(ValueError, match="not both"):
+                model.model(input_ids, past_key_values=cache, cache=transformers.DynamicCache(config=model.config))
