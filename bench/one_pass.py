@@ -145,6 +145,23 @@ def measure(args, models: dict, log) -> list[dict]:
     return results
 
 
+def matmul_flops(args, seq_len: int, step: str, one_pass: bool) -> float:
+    """The forward's matrix-multiply FLOPs of DINT one pass (`one_pass=True`) or of a model that calls the backend
+    twice (DiffLlama, DINT two calls), for `args`' size: projections, MLP, the LM head (the last position for
+    `prefill`), and causal attention with Q.K^T once (one pass: P.V over 2d channels) or twice (two calls: P.V over d
+    channels each). Elementwise work (softmax, norms, the integral) is left out."""
+    size = bench_common.model_size_kwargs(args)
+    hidden, heads, head_dim = size["hidden_size"], size["num_attention_heads"], size["head_dim"]
+    tokens = args.batch_size * seq_len
+    projections = 2 * tokens * hidden * head_dim * (2 * heads + 2 * size["num_key_value_heads"])
+    mlp = 2 * 3 * tokens * hidden * size["intermediate_size"]
+    causal_pairs = args.batch_size * seq_len * (seq_len + 1) / 2
+    channels_per_map = 3 * head_dim if one_pass else 4 * head_dim  # Q.K^T (d) + P.V (2d), or twice (d + d)
+    attention = 2 * heads * causal_pairs * channels_per_map
+    lm_head = 2 * hidden * size["vocab_size"] * (args.batch_size if step == "prefill" else tokens)
+    return size["num_hidden_layers"] * (projections + mlp + attention) + lm_head
+
+
 def ratio_table(results: list[dict], args) -> list[str]:
     by_key = {(r["model"], r["step"], r["seq_len"]): r["samples"] for r in results}
 
@@ -196,6 +213,14 @@ def ratio_table(results: list[dict], args) -> list[str]:
             + " | ".join(f"**{fmt(value)}** ({name})" for name, value in best)
             + " |"
         )
+        floors = [matmul_flops(args, n, step, True) / matmul_flops(args, n, step, False) for n in args.seq_lens]
+        lines.append("| arithmetic floor: matmul FLOPs, one pass / two calls | " + " | ".join(fmt(f) for f in floors) + " |")
+        lines += [
+            "",
+            "The arithmetic floor is what one pass would give if both paths ran their matrix multiplies at the same "
+            "speed (`matmul_flops`): the ratio above it is the price of the one-pass kernel's speed against the "
+            "two-call backend's.",
+        ]
         lines.append("")
     return lines
 
