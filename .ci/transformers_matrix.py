@@ -26,6 +26,7 @@ library only.
 
 import argparse
 import importlib.metadata
+import inspect
 import json
 import os
 import re
@@ -249,9 +250,12 @@ def model_outputs(model) -> dict:
         outputs["static cache"] = model.generate(input_ids, do_sample=False, cache_implementation="static", **common)
         first = model.generate(input_ids, do_sample=False, return_dict_in_generate=True, **common)
         continued_mask = torch.cat([attention_mask, attention_mask.new_ones(2, 6)], dim=-1)
+        # The cache under the release's name: `cache` from 5.24 (Llama's forward, which DINT's is), `past_key_values`
+        # before
+        cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         outputs["cached continuation"] = model.generate(
             first.sequences,
-            past_key_values=first.past_key_values,
+            **{cache_name: first[cache_name]},
             **{**common, "attention_mask": continued_mask},
             do_sample=False,
         )

@@ -235,10 +235,19 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
     addresses stay fixed under compilation."""
 
     _layer_type = DINT_LAYER_TYPE
+    # transformers 5.24 gives `StaticLayer` a crop that rewinds K/V only and lets generate() crop static caches
+    # (assisted and prompt-lookup decoding): a DINT static layer says it cannot be cropped, and refuses a crop.
+    is_croppable = False
 
     def __init__(self, max_cache_len: int, **kwargs):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
         self._init_integral_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "A DINT static cache cannot be cropped: it keeps no per-token record to roll the integral statistics "
+            "back. Use a dynamic cache (the default) for assisted and prompt-lookup decoding."
+        )
 
     def _set_state(self, query_count, signal_sum, column_sums) -> None:
         if self.query_count is None or self.query_count.shape != query_count.shape:

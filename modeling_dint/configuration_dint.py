@@ -85,7 +85,9 @@ class DintConfig(PreTrainedConfig):
     """
 
     model_type = "dint"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The cache in a model output, which Trainer's evaluation drops: `cache` from transformers 5.24, before it
+    # `past_key_values`.
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     # Tensor parallel: "packed_colwise" gives rank r block r of the signal maps AND of the noise maps (and of both
     # halves of the KV heads), so every differential head lives on one rank; Llama's "colwise" would not. The number
     # of ranks must divide num_key_value_heads / 2; attention_bias=False (a 1-D bias is sharded contiguously).

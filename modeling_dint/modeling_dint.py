@@ -461,6 +461,12 @@ class DintModel(DintPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""
+        cache (`Cache`, *optional*):
+            The cache this forward continues (K/V and the DINT integral statistics), e.g.
+            `DynamicCache(config=model.config)`. Before transformers 5.24 it is passed as `past_key_values`, which is
+            still accepted (`transformers_compat.accepts_past_key_values`).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
 

@@ -19,15 +19,17 @@ Every transformers internal this depends on is used in this module only (listed 
 transformers 5.23 and 5.24; `tests/test_serving.py` checks each of them and fails loudly when one changes.
 """
 
+import inspect
+
 import torch
 import transformers
 from transformers.generation.continuous_batching import cache as continuous_batching_cache
 from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .configuration_dint import DINT_LAYER_TYPE
 from .integral_dint import DintIntegralLayout, segmented_running_sum
-from .transformers_compat import HAS_CACHE_ARGUMENT
 
 
 WRITTEN_FOR_TRANSFORMERS = ("5.23", "5.24")
@@ -35,12 +37,18 @@ WRITTEN_FOR_TRANSFORMERS = ("5.23", "5.24")
 5.24 the model writes the paged K/V itself (`cache.update` in the attention, as Llama) and the paged backends write
 nothing; on 5.23 they write the cache they are given, so a DINT layer gives them one that writes nothing."""
 
+PAGED_BACKENDS_WRITE_THE_CACHE = "cache" in inspect.signature(sdpa_attention_forward).parameters
+"""5.23: the paged backends (sdpa, `paged|eager`, flash) write the K/V of the paged cache they are given as `cache`;
+from 5.24 the attention module writes it (`cache.update`) and they take no cache."""
+
 TRANSFORMERS_INTERNALS = {
     "continuous_batching.cache.ATTN_TYPE_TO_ALLOCATOR": "registry of cache allocators by layer type (DINT's is added)",
     "continuous_batching.cache.PagedAttentionCache.__init__": "wrapped: the DINT group is keyed as full attention",
     "continuous_batching.cache.PagedAttentionCache.update(key_states, value_states, layer_idx, kwargs)": "K/V write",
     "continuous_batching.cache_allocators.FullAttentionCacheAllocator": "subclassed (register_cache_tensor, "
     "copy_blocks, block_physical_stride, tokens_per_page, layer_indices, _copy_view)",
+    "integrations.sdpa_attention.sdpa_attention_forward(cache=...)": "whether the paged backends write K/V (5.23) "
+    "or the attention module does (5.24): PAGED_BACKENDS_WRITE_THE_CACHE",
     "model forward kwargs cache / read_index / write_index / cu_seq_lens_q / cu_seq_lens_k / max_length_k": "the "
     "step's layout (PagedAttentionArgs)",
 }
@@ -229,7 +237,7 @@ def dint_paged_step(paged_cache: PagedAttentionCache, config, position_ids, kwar
     allocator = next(iter(paged_cache.cache_allocators.values()))
     step = DintPagedStep(paged_cache, allocator, config, position_ids, kwargs)
     layer_kwargs = dict(kwargs)
-    if not HAS_CACHE_ARGUMENT:  # before 5.24 the paged backends write the K/V of the cache given to them as `cache`
+    if PAGED_BACKENDS_WRITE_THE_CACHE:
         layer_kwargs["cache"] = _KeysValuesWritten()
     layer_kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
     layer_kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]

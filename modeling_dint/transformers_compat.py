@@ -83,6 +83,11 @@ def accepts_past_key_values(function):
     return renamed
 
 
+HAS_CAUSAL_SKIP_ARGUMENT = "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters
+"""`create_causal_mask(allow_is_causal_skip=...)` exists from 5.15 (`create_causal_mask_before_5_15` serves
+5.5 - 5.14)."""
+
+
 def create_causal_mask(*, cache, allow_is_causal_skip: bool = True, **kwargs):
     """`transformers.masking_utils.create_causal_mask`, with the cache given as `cache` on every release, and where
     `allow_is_causal_skip=False` always returns a mask (the argument exists from 5.15)."""
@@ -104,10 +109,6 @@ def create_causal_mask_before_5_15(*, allow_is_causal_skip: bool = True, **kwarg
     past_length = cache.get_seq_length() if cache is not None else 0
     allowed = torch.ones(query_length, past_length + query_length, dtype=torch.bool, device=inputs_embeds.device)
     return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
-
-
-HAS_CAUSAL_SKIP_ARGUMENT = "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters
-"""`create_causal_mask(allow_is_causal_skip=...)` exists from 5.15 (the fallback above serves 5.5 - 5.14)."""
 
 
 # --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14 -------

@@ -3,8 +3,8 @@ model's statistics is refused with the reason, and beam search reorders the stat
 
 import pytest
 import torch
-from dint_testing import cache_of, tiny_model, with_cache
-from transformers import DynamicCache
+from dint_testing import cache_of, tiny_config, tiny_model, with_cache
+from transformers import DynamicCache, StaticCache
 
 from modeling_dint import DintConfig
 from modeling_dint.transformers_compat import HAS_CACHE_LAYER_REGISTRY
@@ -94,3 +94,44 @@ def test_beam_search_with_a_static_cache_equals_beam_search_without_a_cache(inte
     assert torch.equal(static.sequences, reference.sequences)
     # Equal to the last bit here; 1e-6 catches a state left in place (softmax: 2.5e-5, mean: 2e-3 off).
     torch.testing.assert_close(static.sequences_scores, reference.sequences_scores, atol=1e-6, rtol=0)
+
+
+def test_a_static_cache_is_never_cropped_silently():
+    """transformers 5.24 gives `StaticLayer` a crop that rewinds K/V only, and lets assisted and prompt-lookup decoding
+    crop a static cache: a DINT static cache says it cannot be cropped and refuses, so generate() never continues from
+    K/V rolled back without the integral statistics (before 5.24 generate() refuses static caches there itself)."""
+    model = tiny_model()
+    input_ids = torch.randint(2, 128, (1, 9))
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        model(input_ids[:, :6], **with_cache(cache))
+    assert not any(getattr(layer, "is_croppable", False) for layer in cache.layers)
+    lengths, states = cache.get_seq_length(), integral_states(cache)
+    with pytest.raises(ValueError, match="DINT static cache cannot be cropped"):
+        cache.layers[0].crop(-2)
+    assert cache.get_seq_length() == lengths
+    for before, after in zip(states, integral_states(cache)):
+        assert all(torch.equal(a, b) for a, b in zip(before, after) if a is not None)
+    with torch.no_grad(), pytest.raises((ValueError, TypeError, RuntimeError)):
+        model.generate(
+            input_ids, **with_cache(StaticCache(config=model.config, max_cache_len=64)), prompt_lookup_num_tokens=3,
+            max_new_tokens=6, do_sample=False,
+        )
+
+
+def test_trainer_evaluation_drops_the_cache_from_the_outputs(tmp_path):
+    """With `use_cache=True` the model output carries the cache (`cache` from transformers 5.24, `past_key_values`
+    before); `keys_to_ignore_at_inference` names both, so Trainer's prediction loop never tries to gather it."""
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dint import DintForSequenceClassification
+
+    model = DintForSequenceClassification(tiny_config(num_labels=3, use_cache=True))
+    data = [{"input_ids": torch.randint(2, 128, (8,)), "labels": torch.tensor(i % 3)} for i in range(4)]
+    # (from 5.24 Trainer sets the model's `use_cache` from its arguments)
+    cache_argument = {"use_cache": True} if "use_cache" in TrainingArguments.__dataclass_fields__ else {}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True, **cache_argument
+    )
+    predictions = Trainer(model=model, args=args).predict(data)
+    assert predictions.predictions.shape == (4, 3)

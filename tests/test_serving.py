@@ -176,6 +176,7 @@ def test_transformers_internals_are_those_serving_was_written_for():
         f"serving.py was written for transformers {serving.WRITTEN_FOR_TRANSFORMERS}; {transformers.__version__} is "
         "installed: check every entry of serving.TRANSFORMERS_INTERNALS, then add the release to WRITTEN_FOR_TRANSFORMERS."
     )
+    assert serving.PAGED_BACKENDS_WRITE_THE_CACHE == (serving.installed_release() == "5.23")
     assert continuous_batching_cache.ATTN_TYPE_TO_ALLOCATOR["dint_attention"] is serving.DintPagedCacheAllocator
     assert continuous_batching_cache.PagedAttentionCache.__init__ is serving._init_paged_cache_with_dint
     assert list(inspect.signature(serving._original_paged_cache_init).parameters)[:3] == ["self", "config", "continuous_batching_config"]
