@@ -104,8 +104,8 @@ class Settings:
     learning_rates: tuple = (1e-3, 2e-3, 4e-3)
     # convergence rule (see `converged`), needle task
     eval_every: int = 50
-    min_steps: int = 400
-    max_steps: int = 800
+    min_steps: int = 300
+    max_steps: int = 600
     window_fraction: float = 0.2
     min_relative_improvement: float = 0.01
     min_absolute_improvement: float = 0.002
@@ -114,6 +114,7 @@ class Settings:
     lm_context: int = 128
     lm_batch: int = 16
     lm_learning_rates: tuple = (1e-3, 3e-3)
+    lm_seeds: tuple = (0, 1, 2)  # fewer than `seeds`: a language-modelling run costs ~3 needle runs
     lm_eval_every: int = 50
     lm_min_steps: int = 150
     lm_max_steps: int = 300
@@ -131,7 +132,7 @@ class Settings:
     analysis_needles: int = 4
     # diagnostic (not part of any verdict): does training far past the rule's stop help? These kinds, on the first
     # needle config, seed `seeds[0]`, their chosen learning rate, exactly `long_steps` steps, no early stopping
-    long_steps: int = 2500
+    long_steps: int = 1500
     long_kinds: tuple = ("transformer", "dint")
     bootstrap_resamples: int = 10_000
     bootstrap_seed: int = 0
@@ -721,7 +722,7 @@ def main_jobs(settings: Settings, learning_rates: dict) -> list[dict]:
         dict(phase="main", task="lm", kind=kind, hidden=lm_hidden(settings), context=settings.lm_context,
              lr=learning_rates[f"lm/{kind}/h{lm_hidden(settings)}"], seed=seed)
         for kind in ARCHITECTURES
-        for seed in settings.seeds
+        for seed in settings.lm_seeds
     ]
     return jobs
 
@@ -1034,7 +1035,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "(hidden, length): " + ", ".join(f"({h}, {c})" for h, c in configs) + f"; tested at {list(factors)}x the "
         f"trained length (the needles stay, the filler grows; positions beyond the trained ones). Chance = "
         f"{1 / settings.value_vocab:.3f}; picking a random needle's value gives 1/N.",
-        f"- Language modelling: hidden {lm_hidden(settings)}, Shakespeare, repo tokenizer, random windows of "
+        f"- Language modelling: hidden {lm_hidden(settings)}, seeds {list(settings.lm_seeds)} (fewer than the needle "
+        "task's: a language-modelling run costs about three needle runs), Shakespeare, repo tokenizer, random windows of "
         f"{settings.lm_context} tokens, batch {settings.lm_batch}; validation = the last "
         f"{settings.lm_validation_fraction:.0%} of the training text ({settings.lm_validation_tokens:,} tokens used), "
         f"test = held-out perplexity over {settings.lm_test_tokens:,} tokens of two plays never trained on.",
@@ -1292,6 +1294,40 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         + f" (1/N = {1 / max(counts):.3f})."
     )
     lines.append("")
+
+    # ---- what changed, and limits ----
+    needle_runs = [r for r in results["runs"] if r["task"] == "needle" and r["phase"] != "long"]
+    lines += [
+        "## What changed from the earlier run",
+        "",
+        "The earlier run ([report_2026-11-23_unconverged.md](report_2026-11-23_unconverged.md)): 3 seeds, every "
+        "model trained a fixed 400 needle / 150 text steps with a cosine schedule and one shared learning rate (3e-3), "
+        "4 needles only, hidden 64, trained at 64 tokens, verdicts by mean difference > sum of the standard "
+        "deviations. Needle accuracy 0.22-0.35 (chance 0.03), held-out perplexity 320-470: nothing had converged.",
+        "",
+        f"This run: {len(settings.seeds)} seeds ({len(settings.lm_seeds)} for language modelling), a stopping rule "
+        f"instead of a fixed length ({sum(r['hit_cap'] for r in needle_runs)} of {len(needle_runs)} needle runs "
+        "reached the step cap, the rest stopped by the rule), a learning rate per architecture and size from a "
+        f"sweep on a validation set, a mix of {list(counts)} needles, trained at "
+        + " and ".join(str(c) for c in sorted({c for _, c in configs})) + " tokens, hidden "
+        + " and ".join(str(h) for h in sorted({h for h, _ in configs}))
+        + ", verdicts by a paired bootstrap interval. The numbers are not comparable one to one (different task mix "
+        "and schedules); the verdicts above replace the earlier ones.",
+        "",
+        "## Why this may differ from the paper",
+        "",
+        "- Scale: the paper trains models of 0.8B-13B parameters on billions of tokens; these have "
+        f"{min(r['parameters'] for r in needle_runs):,}-{max(r['parameters'] for r in results['runs']):,} parameters "
+        "and a CPU budget of about an hour for everything. Where the table says a run stopped by the rule, it stopped "
+        "on a plateau of its validation loss; a plateau can still end later (see the long-run diagnostic when present).",
+        "- The retrieval task is synthetic and short; the paper evaluates pretrained LMs on natural-language needles at "
+        "4K tokens. 2x and 4x lengths are beyond the trained RoPE positions: they test length extrapolation, which "
+        "none of the three was trained for.",
+        "- With 5 seeds the percentile bootstrap interval is slightly narrower than a t interval would be; verdicts "
+        "whose interval barely excludes 0 are weak.",
+        "",
+        "Raw numbers: `results.json` (every run's record, validation curves included).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -1316,6 +1352,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--workers", type=int, help="worker processes, one torch thread each (default 2)")
     parser.add_argument("--seeds", type=int, nargs="+", help="training seeds (default: 0 1 2 3 4)")
     parser.add_argument("--resume", action="store_true", help="reuse the finished jobs in OUT/jobs.jsonl")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite report.md and the PNGs from OUT/results.json (no training)")
     args = parser.parse_args(argv)
 
     if args.out is None:  # a --quick run must not overwrite the committed report the README links
@@ -1325,6 +1363,17 @@ def main(argv=None) -> Path:
         settings.workers = args.workers
     if args.seeds is not None:
         settings.seeds = tuple(args.seeds)
+
+    if args.report_only:
+        results = json.loads((args.out / "results.json").read_text())
+        settings = Settings(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+                               for k, v in results["settings"].items()})
+        figures = draw_figures(results, settings, args.out)
+        report = write_report(results, settings, results["command"], results["wall_seconds"], figures)
+        (args.out / "report.md").write_text(report)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"rewrote {args.out / 'report.md'} from results.json")
+        return args.out
 
     command = "python examples/research/run.py" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
     started = time.time()
