@@ -1343,6 +1343,25 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
     return "\n".join(lines) + "\n"
 
 
+def compact_for_json(results: dict, settings: Settings) -> dict:
+    """results.json keeps the heatmap maps only where they are drawn (first needle config, the three architectures),
+    rounded to 5 decimals: the other runs' maps would make the file megabytes."""
+    hidden, context = settings.needle_configs[0]
+    for record in results["runs"]:
+        maps = record.get("example_maps")
+        if not maps:
+            continue
+        drawn = (record["phase"] == "main" and record["task"] == "needle" and record["hidden"] == hidden
+                 and record["context"] == context)
+        if not drawn:
+            del record["example_maps"]
+            continue
+        for name, matrix in maps.items():
+            if isinstance(matrix, list):
+                maps[name] = np.round(np.asarray(matrix), 5).tolist()
+    return results
+
+
 def all_numbers_finite(value) -> bool:
     if isinstance(value, dict):
         return all(all_numbers_finite(v) for v in value.values())
@@ -1383,7 +1402,7 @@ def main(argv=None) -> Path:
         figures = draw_figures(results, settings, args.out)
         report = write_report(results, settings, results["command"], results["wall_seconds"], figures)
         (args.out / "report.md").write_text(report)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "results.json").write_text(json.dumps(compact_for_json(results, settings), indent=1))
         print(f"rewrote {args.out / 'report.md'} from results.json")
         return args.out
 
@@ -1407,7 +1426,7 @@ def main(argv=None) -> Path:
     results["command"] = command
     report = write_report(results, settings, command, wall_seconds, figures)
     (args.out / "report.md").write_text(report)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.json").write_text(json.dumps(compact_for_json(results, settings), indent=1))
     if not all_numbers_finite(results):
         raise RuntimeError(f"non-finite numbers in {args.out / 'results.json'}")
     (args.out / "jobs.jsonl").unlink(missing_ok=True)  # the records are all in results.json now
