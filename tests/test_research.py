@@ -1,24 +1,30 @@
-"""The research harness in examples/research/run.py: its synthetic needle task, its equal-size models, and (slow) the
-whole --quick pipeline down to a complete report with finite numbers."""
+"""The research harness in examples/research/run.py: its synthetic needle task, its equal-size models, its
+convergence rule and statistics, the determinism of a job, and (slow) the whole --quick pipeline down to a complete
+report with finite numbers."""
 
-import importlib.util
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+RESEARCH_DIR = REPO_ROOT / "examples" / "research"
 
 
 def load_harness():
-    spec = importlib.util.spec_from_file_location("research_run", REPO_ROOT / "examples" / "research" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # imported by name from its folder (not from a file spec) so that the spawned worker processes can import it too
+    if str(RESEARCH_DIR) not in sys.path:
+        sys.path.insert(0, str(RESEARCH_DIR))
+    import run
+
+    assert Path(run.__file__).resolve() == RESEARCH_DIR / "run.py"
+    return run
 
 
 def test_needle_batch_layout():
@@ -49,27 +55,99 @@ def test_needle_batch_layout():
         assert filler.sum() == 40 - 3 * 4 - 3 * 2
 
 
+def test_mixed_needle_batch_has_each_needle_count():
+    harness = load_harness()
+    vocab = harness.NeedleVocabulary(key_vocab=32, value_vocab=32, filler_vocab=64)
+    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), 2, vocab)
+    assert batch["input_ids"].shape == (32, 64)
+    needles = (batch["input_ids"] == vocab.needle_marker).sum(-1).tolist()
+    answers = (batch["labels"] != -100).sum(-1).tolist()
+    assert needles == [1] * 8 + [2] * 8 + [4] * 8 + [6] * 8
+    assert answers == [1] * 8 + [2] * 24  # min(2, N) queried
+
+
 def test_architectures_have_equal_size():
     harness = load_harness()
     settings = harness.quick_settings()
-    counts = {kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, 0)) for kind in ("transformer", "diff", "dint")}
+    hidden = 32
+    counts = {
+        kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, hidden, 0))
+        for kind in ("transformer", "diff", "dint")
+    }
     layers, head_dim = settings.num_hidden_layers, settings.head_dim
     # DIFF/DINT = the Transformer + 4 lambda vectors and a head-norm weight of 2*head_dim per layer
     assert counts["diff"] == counts["dint"] == counts["transformer"] + layers * (4 * head_dim + 2 * head_dim)
-    no_norm = harness.build_model("no_head_norm", 100, 64, settings, 0)
+    no_norm = harness.build_model("no_head_norm", 100, 64, settings, hidden, 0)
     assert harness.count_parameters(no_norm) == counts["transformer"] + layers * 4 * head_dim
+
+
+def test_convergence_rule_on_a_synthetic_curve():
+    harness = load_harness()
+    settings = harness.Settings(min_steps=200, max_steps=5000, window_fraction=0.2, min_relative_improvement=0.01,
+                                min_absolute_improvement=0.0)
+
+    def stop_step(curve, every=50):
+        steps, losses = [], []
+        for step in range(every, 100_000, every):
+            steps.append(step)
+            losses.append(curve(step))
+            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings):
+                return step
+        raise AssertionError("never stopped")
+
+    # falls until step 1000, flat after: the last 20% of steps show no 1% gain from step 1250 on
+    assert stop_step(lambda s: 1.0 + max(0, 1000 - s) / 100) == 1250
+    # flat from the start: stops at the first check at or after min_steps
+    assert stop_step(lambda s: 1.0) == 200
+    # keeps improving 10% per check: runs to the cap
+    assert stop_step(lambda s: 0.9 ** (s / 50)) == 5000
+    # a plateau, then a late drop: the rule (like any rule of this kind) stops on the plateau
+    assert stop_step(lambda s: 2.0 if s < 3000 else 0.1) == 200
+
+
+def test_bootstrap_interval_and_decision_rule():
+    harness = load_harness()
+    settings = harness.Settings(bootstrap_resamples=20_000)
+    mean, low, high = harness.bootstrap_ci([0.5] * 5, settings)
+    assert mean == low == high == 0.5
+    values = np.arange(100, dtype=float)  # mean 49.5, standard error 2.90: normal 95% interval +-5.7
+    mean, low, high = harness.bootstrap_ci(values, settings)
+    assert mean == 49.5 and abs((mean - low) - 5.7) < 0.6 and abs((high - mean) - 5.7) < 0.6
+    assert harness.bootstrap_ci(values, settings) == (mean, low, high)  # fixed rng: reproducible
+    b = [0.2, 0.4, 0.5, 0.7, 0.9]
+    assert harness.beats([x + 0.1 for x in b], b, settings)[0] == "yes"
+    assert harness.beats([x - 0.1 for x in b], b, settings)[0] == "reversed"
+    assert harness.beats([x - 0.1 for x in b], b, settings, higher_is_better=False)[0] == "yes"
+    verdict, (mean, low, high) = harness.beats([0.3, 0.3, 0.6, 0.6, 0.9], b, settings)
+    assert verdict == "no difference" and low < 0 < high
+
+
+def test_a_job_is_deterministic():
+    harness = load_harness()
+    settings = harness.quick_settings()
+    settings.min_steps, settings.max_steps = 4, 6
+    job = dict(phase="main", task="needle", kind="dint", hidden=16, context=32, lr=2e-3, seed=0)
+    first = harness.run_job(job, harness.dataclasses.asdict(settings))
+    torch.manual_seed(123)  # global state must not matter
+    second = harness.run_job(job, harness.dataclasses.asdict(settings))
+    for key in ("validation_losses", "accuracy", "answer_share", "steps", "best_step"):
+        assert first[key] == second[key]
+    assert first["steps"] == 6 and first["hit_cap"]
 
 
 @pytest.mark.slow
 def test_quick_run_writes_complete_report(tmp_path):
     harness = load_harness()
-    out = harness.main(["--quick", "--out", str(tmp_path), "--no-progress"])
+    out = harness.main(["--quick", "--out", str(tmp_path)])
     report = (out / "report.md").read_text()
-    for section in ("## Setup", "## Results", "## Ablations", "## Claims, one by one", "## Why this may differ"):
+    for section in ("## Rules fixed before the run", "## Setup", "## Learning-rate sweep", "## Convergence",
+                    "## Multi-needle retrieval", "## Length generalisation", "## Model size", "## Attention analysis",
+                    "## Ablations", "## Language modelling", "## Claims, one by one", "## Was the task learned?",
+                    "## What changed from the earlier run", "## Why this may differ"):
         assert section in report
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (out / image).stat().st_size > 1000
-    assert {"accuracy_vs_length.png", "attention_maps.png"} <= {p.name for p in out.glob("*.png")}
+    assert {"accuracy_vs_length.png", "attention_maps.png", "convergence.png"} <= {p.name for p in out.glob("*.png")}
     assert "nan" not in report.lower() and "inf " not in report.lower()
 
     results = json.loads((out / "results.json").read_text())
@@ -85,17 +163,36 @@ def test_quick_run_writes_complete_report(tmp_path):
             yield value
 
     assert all(math.isfinite(x) for x in numbers(results))
-    seeds = results["settings"]["seeds"]
+    settings = results["settings"]
+    seeds = settings["seeds"]
     assert len(seeds) >= 3
-    for kind in ("transformer", "diff", "dint", *results["settings"]["ablations"]):
-        assert len(results["needle"][kind]) == len(seeds)
-        for record in results["needle"][kind]:
-            assert 0 <= record["accuracy"]["1"] <= 1 and 0 <= record["accuracy"]["4"] <= 1
-    for kind in ("transformer", "diff", "dint"):
-        assert all(r["heldout_perplexity"] > 1 for r in results["lm"][kind])
+    runs = results["runs"]
+    for hidden, context in settings["needle_configs"]:
+        for kind in ("transformer", "diff", "dint"):
+            records = [r for r in runs if (r["task"], r["kind"], r["hidden"], r["context"]) == ("needle", kind, hidden, context)
+                       and r["phase"] != "long"]
+            assert sorted(r["seed"] for r in records) == sorted(seeds)
+            for record in records:
+                assert set(record["accuracy"]) == {str(f) for f in settings["length_factors"]}
+                assert all(0 <= a <= 1 for by_count in record["accuracy"].values() for a in by_count.values())
+                assert 0 < record["steps"] <= settings["max_steps"]
+    for kind in settings["ablations"]:
+        assert len([r for r in runs if r["kind"] == kind]) == len(seeds)
+    lm = [r for r in runs if r["task"] == "lm"]
+    assert len(lm) == 3 * len(settings["lm_seeds"]) and all(r["test_perplexity"] > 1 for r in lm)
+    # every swept (task, architecture, size) got a learning rate from the sweep's values
+    assert all(lr in settings["learning_rates"] + settings["lm_learning_rates"] for lr in results["learning_rates"].values())
     # what the formulas guarantee: softmax and DINT rows sum to 1 with no negative Transformer entries, DIFF rows don't
-    for record in results["needle"]["dint"] + results["needle"]["transformer"]:
-        assert record["max_row_sum_error"] < 1e-4
-    assert all(r["negative_fraction"] == 0 for r in results["needle"]["transformer"])
-    assert all(r["max_row_sum_error"] > 1e-2 for r in results["needle"]["diff"])
+    needle = [r for r in runs if r["task"] == "needle"]
+    for record in needle:
+        if record["kind"] in ("dint", "transformer"):
+            assert record["max_row_sum_error"] < 1e-4
+        if record["kind"] == "diff":
+            assert record["max_row_sum_error"] > 1e-2
+        if record["kind"] == "transformer":
+            assert record["negative_fraction"] == 0
+    assert results["claims"]
     assert results["wall_seconds"] < 180
+    # the report is a pure function of results.json: --report-only rewrites it identically
+    harness.main(["--quick", "--out", str(tmp_path), "--report-only"])
+    assert (out / "report.md").read_text() == report
