@@ -214,7 +214,9 @@ def ratio_table(results: list[dict], args) -> list[str]:
             + " |"
         )
         floors = [matmul_flops(args, n, step, True) / matmul_flops(args, n, step, False) for n in args.seq_lens]
-        lines.append("| arithmetic floor: matmul FLOPs, one pass / two calls | " + " | ".join(fmt(f) for f in floors) + " |")
+        lines.append(
+            "| arithmetic floor: matmul FLOPs, one pass / two calls | " + " | ".join(fmt(f) for f in floors) + " |"
+        )
         lines += [
             "",
             "The arithmetic floor is what one pass would give if both paths ran their matrix multiplies at the same "

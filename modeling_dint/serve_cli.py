@@ -44,17 +44,17 @@ def install_serving_model_manager() -> None:
     from huggingface_hub.errors import CacheNotFound
     from transformers.cli.serving import model_manager
 
-    lists_served_model = hasattr(model_manager.ModelManager, "list_models")  # 5.24: `force_model` listed alone
-    lists_cached_models = hasattr(model_manager.ModelManager, "get_gen_models")  # 5.23
-    if not (hasattr(model_manager, "transformers") and (lists_served_model or lists_cached_models)):
+    lists_forced_model_itself = hasattr(model_manager.ModelManager, "list_models")  # 5.24
+    lists_cached_models_only = hasattr(model_manager.ModelManager, "get_gen_models")  # 5.23
+    if not (hasattr(model_manager, "transformers") and (lists_forced_model_itself or lists_cached_models_only)):
         raise RuntimeError(
             "transformers.cli.serving.model_manager changed (transformers "
             f"{transformers.__version__}): check whether `transformers serve` loads custom models now, and update "
             "modeling_dint/serve_cli.py."
         )
     model_manager.transformers = _ArchitecturesOrAutoModel()
-    if lists_served_model or getattr(model_manager.ModelManager, "lists_served_model", False):
-        return
+    if lists_forced_model_itself or getattr(model_manager.ModelManager, "lists_served_model", False):
+        return  # 5.24, or this 5.23 subclass is already installed
 
     class ServedModelManager(model_manager.ModelManager):
         """`/v1/models` lists the model given on the command line (transformers 5.23 lists only the generative

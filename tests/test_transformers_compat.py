@@ -59,13 +59,16 @@ def test_create_causal_mask_bridge_matches_transformers(padded):
         attention_mask=attention_mask,
         position_ids=torch.arange(6)[None],
     )
-    bridged = compat.create_causal_mask_before_5_15(allow_is_causal_skip=False, **kwargs, **{compat.CACHE_ARGUMENT: None})
+    kwargs[compat.CACHE_ARGUMENT] = None
+    bridged = compat.create_causal_mask_before_5_15(allow_is_causal_skip=False, **kwargs)
     assert bridged is not None and bridged.shape == (2, 1, 6, 6) and bridged.dtype == torch.bool
     expected = torch.ones(6, 6, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None, :]
     assert torch.equal(bridged, expected.expand_as(bridged))
     if INSTALLED >= (5, 15):
         assert compat.HAS_CAUSAL_SKIP_ARGUMENT
-        native = compat.create_causal_mask(allow_is_causal_skip=False, cache=None, **kwargs)
+        native = compat.create_causal_mask(
+            allow_is_causal_skip=False, cache=None, **{k: v for k, v in kwargs.items() if k != compat.CACHE_ARGUMENT}
+        )
         assert native is not None and torch.equal(native, bridged), changed(
             "transformers.masking_utils.create_causal_mask(allow_is_causal_skip=False)",
             "5.15 - 5.23",
