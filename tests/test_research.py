@@ -135,6 +135,30 @@ def test_a_job_is_deterministic():
     assert first["steps"] == 6 and first["hit_cap"]
 
 
+def test_attention_statistics_partition_the_answer_query_row():
+    """The answer query's last-layer row is split into the queried needle, the other needles (per needle), the filler
+    and the query section; the previous-token score is a first-layer value -> key attention weight."""
+    harness = load_harness()
+    settings = harness.quick_settings()
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    needles = 4
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, 1, vocab)
+    for kind in ("transformer", "dint"):
+        model = harness.build_model(kind, vocab.size, 48, settings, 32, 0)
+        statistics, _ = harness.attention_statistics(model, kind, batch)
+        model.set_attn_implementation("eager")
+        attentions = model(input_ids=batch["input_ids"], output_attentions=True).attentions
+        final_maps = harness.final_attention_maps(model, kind, attentions)
+        rows = final_maps[-1].mean(1)[torch.arange(6), batch["answer_position"][:, 0]]  # [B, T]
+        query_section = rows[:, 48 - 3 :].sum(-1).mean().item()
+        total = (statistics["answer_share"] + statistics["filler_share"] + query_section
+                 + (needles - 1) * statistics["other_needle_share"])
+        assert total == pytest.approx(1.0, abs=1e-5)
+        value_position = batch["needle_start"][:, 0] + 2
+        per_head = final_maps[0][torch.arange(6), :, value_position, value_position - 1].mean(0)
+        assert statistics["previous_token_score"] == pytest.approx(per_head.max().item(), abs=1e-6)
+
+
 @pytest.mark.slow
 def test_quick_run_writes_complete_report(tmp_path):
     harness = load_harness()
@@ -143,7 +167,7 @@ def test_quick_run_writes_complete_report(tmp_path):
     for section in ("## Rules fixed before the run", "## Setup", "## Learning-rate sweep", "## Convergence",
                     "## Multi-needle retrieval", "## Length generalisation", "## Model size", "## Attention analysis",
                     "## Ablations", "## Language modelling", "## Claims, one by one", "## Was the task learned?",
-                    "## What changed from the earlier run", "## Why this may differ"):
+                    "## What changed from the earlier runs", "## Why this may differ"):
         assert section in report
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (out / image).stat().st_size > 1000
