@@ -11,8 +11,8 @@ training nor the test set uses. Then, over 5 seeds with 95% bootstrap intervals 
     "dint": `DintForCausalLM(integral="mean")`, all the same size;
   - multi-needle retrieval (the paper's Table 4 protocol, synthetic): each training example hides N in {1, 2, 4, 6}
     `NEEDLE key value` triples in random filler and queries one of them at the end as `QUERY key value` (loss on the
-    answer value only; one query, not the paper's two: see `Settings.needle_queries`); accuracy per needle count at 1x, 2x and 4x the trained length; trained at 64 and 128
-    tokens, at two model sizes (hidden 64 and 32: a larger size did not fit the time budget);
+    answer value only; one query, not the paper's two: see `Settings.needle_queries`); accuracy per needle count at
+    1x, 2x and 4x the trained length; trained at 64 and 128 tokens, at two model sizes (hidden 64 and 32: a larger size did not fit the time budget);
   - the ablations of the paper's Table 6 (DINT with lambda_init 0.8 / 0.5, without head norm, with the "softmax"
     integral; "none" is DIFF) on one size and length;
   - language modelling on the repo's Shakespeare corpus (validation split carved from the training text; held-out
@@ -1199,7 +1199,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
             lines.append(
                 f"| {hidden}, {context} | {kind} | {ci([r['answer_share'] for r in records])} | "
                 f"{ci([r['other_needle_share'] for r in records])} | {ci([r['filler_share'] for r in records])} | "
-                f"{ci([r['previous_token_score'] for r in records])} | {ci([r['negative_fraction'] for r in records], 4)} | "
+                f"{ci([r['previous_token_score'] for r in records])} | "
+                f"{ci([r['negative_fraction'] for r in records], 4)} | "
                 f"{max(r['max_row_sum_error'] for r in records):.2e} (worst seed) |"
             )
     lines += ["", "![A1, A2, G and A_final of trained models](attention_maps.png)", "",
