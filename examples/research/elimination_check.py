@@ -4,7 +4,8 @@ by elimination.
 
     python examples/research/elimination_check.py [--kinds diff dint] [--steps 600]
 
-Trains each kind (hidden 64, 64 tokens, seed 0, lr 1e-3: the 2026-11-25 two-query run's chosen setting) for `--steps`
+Trains each kind (hidden 64, 64 tokens, seed 0, lr 1e-3: the rate the 2026-11-25 two-query run chose for DIFF and DINT; its
+Transformer's was 2e-3, so `--kinds transformer` here is not that run's setting) for `--steps`
 steps on the two-query task (two distinct needles queried, the second after the first's answer), then prints the
 accuracy of each query separately on the harness's test sets. Answering the first query with a random needle's value
 and the second with a needle value not answered yet scores 1/N and 1/(N-1): at N=2, 0.5 and 1.0. About 1 minute per

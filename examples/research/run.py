@@ -1358,8 +1358,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "two queries per example (distinct needles, the second after the first's teacher-forced answer) and a step "
         "cap of 600. Its headline, DIFF and DINT beat the Transformer by about +0.10 mean accuracy over N, came "
         "from 2 needles (0.75 against 0.45). 0.75 is exactly what answering the first query at random (1/2) and the "
-        "second by elimination (the needle value not answered yet: 1) scores; the per-query check in the hand notes "
-        "below measured it. So that run compared how soon each architecture learns elimination, not key matching. "
+        "second by elimination (the needle value not answered yet: 1) scores; `elimination_check.py` measured it "
+        "(per-query numbers at the top of that report). So that run compared how soon each architecture learns elimination, not key matching. "
         "This run queries one needle per example, so a random needle's value scores exactly 1/N and only key matching "
         "scores more.",
         "",
@@ -1377,7 +1377,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "",
         "- Scale: the paper trains models of 0.8B-13B parameters on billions of tokens; these have "
         f"{min(r['parameters'] for r in needle_runs):,}-{max(r['parameters'] for r in results['runs']):,} parameters "
-        "and a CPU budget of about an hour for everything. Where the table says a run stopped by the rule, it stopped "
+        f"and a CPU budget of about {wall_seconds / 60:.0f} minutes for everything. Where the table says a run stopped by the rule, it stopped "
         "on a plateau of its validation loss; a plateau can still end later (see the long-run diagnostic when present).",
         "- The retrieval task is synthetic and short; the paper evaluates pretrained LMs on natural-language needles at "
         "4K tokens. 2x and 4x lengths are beyond the trained RoPE positions: they test length extrapolation, which "
