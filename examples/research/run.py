@@ -993,8 +993,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "",
         f"Command: `{command}`  ",
         f"Wall time: {wall_seconds / 60:.1f} min on {settings.workers} worker processes of one torch thread each "
-        f"(load average at start {results['load_average'][0]:.2f}, at end {results['load_average'][1]:.2f}; the "
-        "machine was shared).  ",
+        f"(load average at start {results['load_average'][0]:.2f}, at end {results['load_average'][1]:.2f}; above "
+        f"{settings.workers}, the workers' own load, means something else ran beside them).  ",
         f"Versions: Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, numpy "
         f"{env['numpy']}, repo commit {env['git_commit']}; {env['machine']}.  ",
         f"Seeds: {list(settings.seeds)} (model init and training-data order; every architecture sees the same batches "
