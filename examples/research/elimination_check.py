@@ -4,9 +4,9 @@ by elimination.
 
     python examples/research/elimination_check.py [--kinds diff dint] [--steps 600]
 
-Trains each kind (hidden 64, 64 tokens, seed 0, lr 1e-3: the rate the 2026-11-25 two-query run chose for DIFF and DINT; its
-Transformer's was 2e-3, so `--kinds transformer` here is not that run's setting) for `--steps`
-steps on the two-query task (two distinct needles queried, the second after the first's answer), then prints the
+Trains each kind (hidden 64, 64 tokens, seed 0, lr 1e-3: the rate the 2026-11-25 two-query run chose for DIFF and
+DINT; its Transformer's was 2e-3, so `--kinds transformer` here is not that run's setting) for `--steps` steps on the
+two-query task (two distinct needles queried, the second after the first's answer), then prints the
 accuracy of each query separately on the harness's test sets. Answering the first query with a random needle's value
 and the second with a needle value not answered yet scores 1/N and 1/(N-1): at N=2, 0.5 and 1.0. About 1 minute per
 kind on one core.
@@ -47,16 +47,15 @@ def main():
     for kind in args.kinds:
         model = harness.build_model(kind, vocab.size, 256, settings, 64, 0)
         generator = torch.Generator().manual_seed(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
-        for _ in range(args.steps):
-            batch = harness.make_mixed_needle_batch(generator, 32, 64, settings.needle_counts, 2, vocab)
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
+        validation = harness.make_mixed_needle_batch(
+            torch.Generator().manual_seed(settings.validation_seed + 64), 64, 64, settings.needle_counts, 2, vocab
+        )
+        # the harness's own optimizer, schedule and clipping, for exactly --steps steps (one evaluation, at the end)
+        harness.train_to_convergence(
+            model,
+            lambda: harness.make_mixed_needle_batch(generator, 32, 64, settings.needle_counts, 2, vocab),
+            [validation], 1e-3, args.steps, args.steps, args.steps, settings,
+        )
         model.eval()
         for count in (2, 4, 6):
             first, second = per_query_accuracy(model, harness.needle_test_set(settings, vocab, 64, count))

@@ -12,7 +12,8 @@ training nor the test set uses. Then, over 5 seeds with 95% bootstrap intervals 
   - multi-needle retrieval (the paper's Table 4 protocol, synthetic): each training example hides N in {1, 2, 4, 6}
     `NEEDLE key value` triples in random filler and queries one of them at the end as `QUERY key value` (loss on the
     answer value only; one query, not the paper's two: see `Settings.needle_queries`); accuracy per needle count at
-    1x, 2x and 4x the trained length; trained at 64 and 128 tokens, at two model sizes (hidden 64 and 32: a larger size did not fit the time budget);
+    1x, 2x and 4x the trained length; trained at 64 and 128 tokens, at two model sizes (hidden 64 and 32: a larger
+    size did not fit the time budget);
   - the ablations of the paper's Table 6 (DINT with lambda_init 0.8 / 0.5, without head norm, with the "softmax"
     integral; "none" is DIFF) on one size and length;
   - language modelling on the repo's Shakespeare corpus (validation split carved from the training text; held-out
@@ -532,7 +533,7 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
     query_count = batch["answer_position"].shape[1]
     every_needle = ~batch["filler"]  # [B, T]: needle triples and, from the haystack's end on, the queries
     every_needle[:, length - 3 * query_count :] = False
-    other_needles = max(int(every_needle[0].sum().item()) // 3 - 1, 1)
+    other_needles = max(int(every_needle[0].sum().item()) // 3 - 1, 1)  # every row of `batch` has the same count
     answer_share, filler_share, other_share, previous_token = [], [], [], []
     for q in range(query_count):
         rows = last[batch_index, batch["answer_position"][:, q]]  # [B, T]
@@ -1359,7 +1360,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "cap of 600. Its headline, DIFF and DINT beat the Transformer by about +0.10 mean accuracy over N, came "
         "from 2 needles (0.75 against 0.45). 0.75 is exactly what answering the first query at random (1/2) and the "
         "second by elimination (the needle value not answered yet: 1) scores; `elimination_check.py` measured it "
-        "(per-query numbers at the top of that report). So that run compared how soon each architecture learns elimination, not key matching. "
+        "(per-query numbers at the top of that report). So that run compared how soon each architecture learns "
+        "elimination, not key matching. "
         "This run queries one needle per example, so a random needle's value scores exactly 1/N and only key matching "
         "scores more.",
         "",
@@ -1377,7 +1379,8 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "",
         "- Scale: the paper trains models of 0.8B-13B parameters on billions of tokens; these have "
         f"{min(r['parameters'] for r in needle_runs):,}-{max(r['parameters'] for r in results['runs']):,} parameters "
-        f"and a CPU budget of about {wall_seconds / 60:.0f} minutes for everything. Where the table says a run stopped by the rule, it stopped "
+        f"and a CPU budget of about {wall_seconds / 60:.0f} minutes for everything. Where the table says a run "
+        "stopped by the rule, it stopped "
         "on a plateau of its validation loss; a plateau can still end later (see the long-run diagnostic when present).",
         "- The retrieval task is synthetic and short; the paper evaluates pretrained LMs on natural-language needles at "
         "4K tokens. 2x and 4x lengths are beyond the trained RoPE positions: they test length extrapolation, which "
