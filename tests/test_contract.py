@@ -26,11 +26,10 @@ LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 
 @pytest.mark.parametrize("integral", ["mean", "softmax"])
-def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral, monkeypatch):
+def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral):
     """generate() with a static cache and a compile config compiles the decode step once for the whole generation
     (a padded batch, so that the 2D mask grows every step): any recompilation raises."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     model = tiny_model(integral=integral)
     input_ids, attention_mask = left_padded_batch(lengths=(8, 5))
     attention_mask[1, -3] = 0  # and a pad inside a row
@@ -39,7 +38,12 @@ def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral
     compile_config = CompileConfig(fullgraph=True, dynamic=False)
     compile_config._compile_all_devices = True  # generate() auto-compiles on accelerators only unless told
     torch._dynamo.utils.counters.clear()
-    output = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **generate_kwargs)
+    # torch's own patch restores the setting on exit (pytest's monkeypatch deletes it since pytest 9.2: torch keeps its
+    # config values outside the module's __dict__)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        output = model.generate(
+            input_ids, cache_implementation="static", compile_config=compile_config, **generate_kwargs
+        )
     assert hasattr(model, "_compiled_call"), "generate() did not compile the forward"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the decode step (prefill runs eagerly)
     assert torch.equal(output, expected)

@@ -1,20 +1,45 @@
 """The main job (examples/main_job.py, the README's first command) in its --quick form: it trains, saves a model that
 reloads through the Auto classes, writes the loss plot and the model card, and prints the next steps."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE_RECORD = os.path.join(REPO_ROOT, "examples", "main_job_results", "metrics.json")
+
+
+def load_main_job():
+    spec = importlib.util.spec_from_file_location("main_job", os.path.join(REPO_ROOT, "examples", "main_job.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_update_reference_targets_the_committed_record():
+    """The README's first command (`python examples/main_job.py`) must not rewrite the record its second command's
+    tests compare the README against; --quick must not replace the default run's model."""
+    main_job = load_main_job()
+    default, quick = main_job.parse_args([]), main_job.parse_args(["--quick"])
+    assert not default.update_reference and not quick.update_reference
+    assert default.output_dir == "outputs/dint-tiny" and quick.output_dir == "outputs/dint-tiny-quick"
+    assert main_job.parse_args(["--update_reference", "--output_dir", "elsewhere"]).update_reference
+    for other_settings in (["--quick"], ["--max_steps", "10"], ["--threads", "2"]):
+        with pytest.raises(SystemExit):
+            main_job.parse_args(["--update_reference", *other_settings])
 
 
 def test_main_job_quick(tmp_path):
     output_dir = tmp_path / "dint-tiny"
+    with open(REFERENCE_RECORD, "rb") as file:
+        record_before = file.read()
     result = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "examples", "main_job.py"), "--quick",
          "--output_dir", str(output_dir)],
@@ -23,6 +48,8 @@ def test_main_job_quick(tmp_path):
     assert result.returncode == 0, f"main_job failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "Next steps:" in result.stdout and str(output_dir.resolve()) in result.stdout
     assert "reference run" not in result.stdout  # --quick leaves examples/main_job_results/metrics.json alone
+    with open(REFERENCE_RECORD, "rb") as file:
+        assert file.read() == record_before
     assert "Failed to load" not in result.stdout + result.stderr  # no torchao import noise
 
     files = set(os.listdir(output_dir))

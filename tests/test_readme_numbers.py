@@ -1,6 +1,6 @@
 """The numbers the README states about the main job come from the committed record of its last reference run,
-examples/main_job_results/metrics.json (which `python examples/main_job.py` rewrites), so that the text cannot go
-stale silently (issue 21).
+examples/main_job_results/metrics.json (which `python examples/main_job.py --update_reference` rewrites), so that the
+text cannot go stale silently (issue 21).
 
 The README keeps these numbers between `<!-- main-job-numbers: begin ... -->` and `<!-- main-job-numbers: end -->`.
 Each phrase below, rendered from metrics.json, must appear there, and no other digit may: a number added to the
