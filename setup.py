@@ -32,8 +32,11 @@ setup(
             "peft>=0.17",
             "tokenizers>=0.21",
             "matplotlib>=3.8",
-            "torchao==0.18.0",  # int8 weight-only quantization on CPU (TorchAoConfig); no runtime dependencies
         ],
+        # int8 weight-only quantization on CPU (TorchAoConfig; README "Quantization on CPU"). Its own extra: where
+        # torchao is installed, transformers imports it with every model class (and it logs CUDA-kernel load failures
+        # on a CPU-only torch), so the default install leaves it out.
+        "quantization": ["torchao==0.18.0"],
         # lm-evaluation-harness recipe (examples/eval_lm_harness.md) and its slow test
         "eval": ["lm-eval==0.4.13"],
         # reading GGUF checkpoints (examples/convert_smollm2.py)
