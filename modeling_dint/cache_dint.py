@@ -2,209 +2,216 @@
 """KV-cache layers that carry DINT's integral statistics beside the keys and values.
 
 A new token's integral term needs the signal maps of all earlier query rows of its document, which no key or value
-holds. Each DINT cache layer therefore keeps, in fp32:
+holds. The integral statistics are a recurrent state beside K/V, the same kind of thing as a linear-attention layer's
+state, so the DINT layers are transformers' own layers for that (`LinearAttentionAndFullAttentionLayer` and its
+static variant): they keep, per layer and in fp32, the recurrent states
 
-- `query_count` `[B]`: the number of valid query rows seen so far in the current document of each batch row;
-- `signal_sum` `[B, H/2, 2*head_dim]`: the sum of the signal attention outputs `O1 = A1 V` over those rows (fast
+- `QUERY_COUNT` `[B]`: the number of valid query rows seen so far in the current document of each batch row;
+- `SIGNAL_SUM` `[B, H/2, 2*head_dim]`: the sum of the signal attention outputs `O1 = A1 V` over those rows (the fast
   path, integral "mean"): O(1) in the sequence length;
-- `column_sums` `[B, H/2, K]`: the sum of the signal maps `A1` over those rows, one value per cached key (the
-  materializing path: eager attention, or integral "softmax").
+- `COLUMN_SUMS` `[B, H/2, K]`: the sum of the signal maps `A1` over those rows, one value per cached key (the
+  materializing path: eager attention, or integral "softmax"),
+
+which the model reads and writes through transformers' Cache-level methods only: `cache.get_recurrent_state(layer_idx,
+state_idx)` and `cache.update_recurrent_state(state, layer_idx, state_idx=..., running_rows=...)`
+(`transformers_compat.get_recurrent_state` on releases before 5.23). `reset`, `reorder_cache` (beam search),
+offloading and the static layer's fixed addresses are transformers'. DINT adds `batch_repeat_interleave` /
+`batch_select_indices` for the states, and a `crop` that rolls the states back over the rows recorded since
+`activate_past_recording()` (assisted and prompt-lookup decoding), where transformers' linear-attention layers refuse.
 
 Setting `_layer_type` registers the classes in transformers' cache-layer mappings, so `DynamicCache(config=...)` and
 `StaticCache(config=...)` (what `generate()` builds) create them for a config whose `layer_types` name
-`dint_attention`. The state follows every cache operation of transformers: `reorder_cache` (beam search),
-`batch_repeat_interleave` / `batch_select_indices`, `reset`, and `crop` (assisted / prompt-lookup decoding), for which
-the per-token running values are recorded after `activate_past_recording()`.
+`dint_attention`.
 """
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer
 
 from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import DintIntegralLayout, segmented_running_sum, uses_materializing_path
+from .integral_dint import uses_materializing_path
+from .transformers_compat import RecurrentStateAndFullAttentionLayer, RecurrentStateAndStaticFullAttentionLayer
 
 
-def _state_at_row(running_state: tuple, row: int) -> tuple:
-    """The state after query row `row` of running values `(query_count [B, T], signal_sum [B, H/2, T, C] or None,
-    column_sums [B, H/2, T, K] or None)`. A row of several is copied: a view would keep the whole running tensor
-    (O(T) per layer, O(T * K) for the column sums) alive in the cache."""
-    rows = []
-    for running, query_dim in zip(running_state, (-1, -2, -2)):
-        if running is None:
-            rows.append(None)
-            continue
-        row_state = running.select(query_dim, row)
-        rows.append(row_state.clone() if running.shape[query_dim] > 1 else row_state)
-    return tuple(rows)
+QUERY_COUNT, SIGNAL_SUM, COLUMN_SUMS = 0, 1, 2
+"""The `state_idx` of each integral statistic in a DINT cache layer's recurrent states."""
+INTEGRAL_STATE_NAMES = ("query_count", "signal_sum", "column_sums")
+
+
+def integral_state_index(config) -> int | None:
+    """The sums a model with `config` carries from call to call: `SIGNAL_SUM` (fast path), `COLUMN_SUMS`
+    (materializing path), None for integral "none" (besides the sums, every DINT layer keeps `QUERY_COUNT`)."""
+    if config.integral == "none":
+        return None
+    return COLUMN_SUMS if uses_materializing_path(config) else SIGNAL_SUM
 
 
 class DintIntegralStateMixin:
-    """The integral statistics of one DINT layer, shared by the dynamic and the static cache layer. The model reads
-    and writes them through methods only: `check_integral_kind`, `past_query_count`, `running_signal_sum` (fast
-    path), `integral_carry` and `update_integral` (materializing path). Continuous batching's paged layer
-    (`serving.py`) offers the same `running_signal_sum`."""
+    """What the dynamic and the static DINT layer add to transformers' recurrent-state layers: the recording of the
+    running states for `crop`, which statistics the layer keeps (`integral_kind`), and read-only views of the states."""
+
+    # Keys and values can be allocated ahead of time (`Cache.early_initialization`, torch.export recipes); the integral
+    # states are allocated at their first update (`integral_state_buffers` allocates them for export).
+    supports_early_init = True
 
     def _init_integral_state(self) -> None:
-        self.query_count: torch.Tensor | None = None
-        self.signal_sum: torch.Tensor | None = None
-        self.column_sums: torch.Tensor | None = None
-        # (integral mode, state name) of the model that filled the layer: None while it holds no token.
-        self.integral_kind: tuple[str, str | None] | None = None
-        self.record_past = False
-        # Running values of every query row since recording (re)started, as chunks of
-        # (query_count [B, t], signal_sum [B, H/2, t, C] or None, column_sums [B, H/2, t, K] or None).
-        self._recorded_rows: list[tuple] = []
-        self._recorded_start: tuple | None = None
+        # (integral mode, state_idx of the sums) of the model that filled the layer: None while it holds no token.
+        self.integral_kind: tuple[str, int | None] | None = None
+        # Since recording (re)started: per state, the running values of every new query row `[B, t, *state]`, and the
+        # state before the first of them (None where there was none).
+        self._recorded_rows: dict[int, list[torch.Tensor]] = {}
+        self._recorded_start: dict[int, torch.Tensor | None] = {}
 
-    def integral_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Returns `(query_count [B], signal_sum [B, H/2, 2d], column_sums [B, H/2, K])`, each None if never set."""
-        return self.query_count, self.signal_sum, self.column_sums
+    def get_integral_state(self, state_idx: int) -> torch.Tensor | None:
+        """The state `state_idx`, None before its first update (the rule of `Cache.get_recurrent_state`)."""
+        return self.recurrent_states[state_idx] if self.has_previous_state[state_idx] else None
 
-    def check_integral_kind(self, integral: str, state_name: str | None) -> None:
-        """Refuses, before anything changes, to continue a layer filled by a model that keeps other integral
-        statistics (another integral mode, or the other path), or by a model that keeps none.
+    @property
+    def query_count(self) -> torch.Tensor | None:
+        return self.get_integral_state(QUERY_COUNT)
+
+    @property
+    def signal_sum(self) -> torch.Tensor | None:
+        return self.get_integral_state(SIGNAL_SUM)
+
+    @property
+    def column_sums(self) -> torch.Tensor | None:
+        return self.get_integral_state(COLUMN_SUMS)
+
+    def integral_state(self) -> tuple[torch.Tensor | None, ...]:
+        """`(query_count [B], signal_sum [B, H/2, 2d], column_sums [B, H/2, K])`, each None if never set."""
+        return tuple(self.get_integral_state(state_idx) for state_idx in range(len(INTEGRAL_STATE_NAMES)))
+
+    def check_integral_kind(self, integral: str, state_idx: int | None) -> None:
+        """Refuses to continue a layer filled by a model that keeps other integral statistics (another integral mode,
+        or the other path), or by a model that keeps none.
 
         Args:
             integral (`str`): the continuing model's `config.integral`.
-            state_name (`str` or None): the state its path carries: "signal_sum" (fast path), "column_sums"
-                (materializing path), None for integral "none".
+            state_idx (`int` or None): the sums its path carries (`integral_state_index`).
         """
+        kind = (integral, state_idx)
         if self.integral_kind is None:
             # A static layer's length can be a tensor (torch.export's buffers): checked on dynamic layers only.
-            if not self.is_compileable and self.get_seq_length() > 0:
+            if isinstance(self, DynamicLayer) and self.get_seq_length() > 0:
                 raise ValueError(
                     f"This DINT cache layer holds {self.get_seq_length()} tokens but no integral statistics: it was "
                     f"filled by a model that is not DINT. Start a new cache (`DynamicCache(config=model.config)`)."
                 )
-            return
-        if self.integral_kind != (integral, state_name):
+        elif self.integral_kind != kind:
             raise ValueError(
                 f"This DINT cache was filled by a model with {_describe_integral_kind(*self.integral_kind)}; this "
-                f"model has {_describe_integral_kind(integral, state_name)}, so the integral would cover only the new "
-                "tokens. Continue a cache with the integral mode and attention implementation that filled it, or start "
-                "a new cache."
+                f"model has {_describe_integral_kind(*kind)}, so the integral would cover only the new tokens. "
+                "Continue a cache with the integral mode and attention implementation that filled it, or start a new "
+                "cache."
             )
 
-    def past_query_count(self) -> torch.Tensor | None:
-        """The count `[B]` (fp32) of valid query rows of each batch row's current document; None before the first."""
-        return self.query_count
-
-    def running_signal_sum(
-        self, integral: str, signal_output: torch.Tensor, layout: DintIntegralLayout
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, running_rows: torch.Tensor | None = None, **kwargs
     ) -> torch.Tensor:
-        """The fast path's running sum of the signal outputs `[B, T, H/2, 2d]` over each document's valid rows, the
-        sum this layer carries from earlier calls included (fp32, same shape); stores the state after the last row."""
-        running_sum = segmented_running_sum(signal_output, layout, self.integral_carry("signal_sum"))
-        self.update_integral(integral, layout.running_query_count, running_sum.transpose(1, 2))
-        return running_sum
-
-    def integral_carry(self, state_name: str) -> torch.Tensor | None:
-        """The sums `[B, H/2, C]` over the current document's rows that this layer carries into a call: "signal_sum"
-        (fast path, C = 2*head_dim) or "column_sums" (materializing path, C = cached keys); None before the first."""
-        return getattr(self, state_name)
-
-    def update_integral(
-        self,
-        integral: str,
-        running_query_count: torch.Tensor | None = None,
-        running_signal_sum: torch.Tensor | None = None,
-        running_column_sums: torch.Tensor | None = None,
-    ) -> None:
-        """Stores the state after the last new query row, and which integral statistics the layer keeps.
+        """Stores the state after the last new query row.
 
         Args:
-            integral (`str`): the model's `config.integral` ("none" keeps no statistics: only the kind is recorded).
-            running_query_count (`torch.Tensor` of shape `[B, T]`): running count after each new row (fp32).
-            running_signal_sum (`torch.Tensor` of shape `[B, H/2, T, 2d]`, *optional*): running sum of O1.
-            running_column_sums (`torch.Tensor` of shape `[B, H/2, T, K]`, *optional*): running column sums of A1.
+            recurrent_states (`torch.Tensor`): the new state, `[B, *state]` (fp32).
+            state_idx (`int`): `QUERY_COUNT`, `SIGNAL_SUM` or `COLUMN_SUMS`.
+            running_rows (`torch.Tensor` of shape `[B, T, *state]`, *optional*): the state after each new row, of which
+                `recurrent_states` is the last; recorded while the layer records its past, so that `crop` can roll
+                the state back.
         """
-        state_name = "signal_sum" if running_signal_sum is not None else "column_sums"
-        self.integral_kind = (integral, None if integral == "none" else state_name)
-        if integral == "none":
-            return
-        if self.record_past:
-            if self._recorded_start is None:
-                self._recorded_start = self._snapshot()
-            self._recorded_rows.append((running_query_count, running_signal_sum, running_column_sums))
-        self._set_state(*_state_at_row((running_query_count, running_signal_sum, running_column_sums), -1))
-
-    def _set_state(self, query_count, signal_sum, column_sums) -> None:
-        self.query_count, self.signal_sum, self.column_sums = query_count, signal_sum, column_sums
-
-    def _snapshot(self) -> tuple:
-        return tuple(None if state is None else state.clone() for state in self.integral_state())
-
-    def _map_integral_state(self, function) -> None:
-        """Applies `function` (a batch operation) to every state tensor, the recorded rows included."""
-
-        def apply(state):
-            return None if state is None else function(state)
-
-        self._set_state(*(apply(state) for state in self.integral_state()))
-        self._recorded_rows = [tuple(apply(state) for state in rows) for rows in self._recorded_rows]
-        if self._recorded_start is not None:
-            self._recorded_start = tuple(apply(state) for state in self._recorded_start)
+        if self.record_past and running_rows is not None:
+            if state_idx not in self._recorded_start:
+                previous = self.get_integral_state(state_idx)
+                self._recorded_start[state_idx] = None if previous is None else previous.clone()
+            self._recorded_rows.setdefault(state_idx, []).append(running_rows)
+        state = self._store_recurrent_state(recurrent_states, state_idx)
+        self.has_previous_state[state_idx] = True
+        return state
 
     def activate_past_recording(self) -> None:
-        """Records the running state of every new query row, so that `crop(-n)` can roll the integral back."""
+        """Records the running states of every new query row, so that `crop(-n)` can roll the integral back."""
         self.record_past = True
 
-    def _integral_after_crop(self, tokens_to_remove: int) -> tuple | None:
-        """The integral state `-tokens_to_remove` query rows back (None: unchanged), computed without changing the
-        layer, so that a refused crop changes nothing. Raises where the rows were not recorded."""
-        rows_to_remove = -tokens_to_remove
-        if rows_to_remove <= 0 or self.integral_kind is None or self.integral_kind[1] is None:
-            return None
-        recorded = sum(rows[0].shape[-1] for rows in self._recorded_rows)
-        if not self.record_past or rows_to_remove > recorded:
-            raise ValueError(
-                f"Cannot crop {rows_to_remove} tokens from a DINT cache layer: its integral statistics can be "
-                f"rolled back only over the {recorded} tokens recorded since `activate_past_recording()` or the "
-                f"last `crop` (record_past={self.record_past}). Rolling back further would give a wrong state; "
-                "the cache is left as it was."
-            )
-        if rows_to_remove == recorded:
-            return self._recorded_start
-        kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
-        for chunk in self._recorded_rows:  # (query_count [B, t], signal_sum, column_sums)
-            if kept <= chunk[0].shape[-1]:
-                break
-            kept -= chunk[0].shape[-1]
-        return _state_at_row(chunk, kept - 1)
+    def _integral_after_crop(self, rows_to_remove: int) -> dict[int, torch.Tensor | None]:
+        """The states `rows_to_remove` query rows back, computed without changing the layer, so that a refused crop
+        changes nothing. Raises where the rows were not recorded."""
+        kept_states = [state_idx for state_idx in self.has_previous_state if self.has_previous_state[state_idx]]
+        if rows_to_remove == 0 or not kept_states:
+            return {}
+        states_after_crop = {}
+        for state_idx in kept_states:
+            chunks = self._recorded_rows.get(state_idx, [])
+            recorded = sum(chunk.shape[1] for chunk in chunks)
+            if not self.record_past or rows_to_remove > recorded:
+                raise ValueError(
+                    f"Cannot crop {rows_to_remove} tokens from a DINT cache layer: its integral statistics can be "
+                    f"rolled back only over the {recorded} tokens recorded since `activate_past_recording()` or the "
+                    f"last `crop` (record_past={self.record_past}). Rolling back further would give a wrong state; "
+                    "the cache is left as it was."
+                )
+            kept = recorded - rows_to_remove  # the state after the `kept`-th recorded row
+            if kept == 0:
+                states_after_crop[state_idx] = self._recorded_start[state_idx]
+                continue
+            for chunk in chunks:
+                if kept <= chunk.shape[1]:
+                    break
+                kept -= chunk.shape[1]
+            states_after_crop[state_idx] = chunk[:, kept - 1].clone()
+        return states_after_crop
 
-    def _crop_integral(self, state_after_crop: tuple | None) -> None:
-        """Sets the state `_integral_after_crop` computed (after the keys and values were cropped), then restarts the
-        recording (as transformers' linear-attention layers do, the recorded rows are dropped after each `crop`)."""
-        if state_after_crop is not None:
-            self._set_state(*state_after_crop)
-            if self.column_sums is not None:
-                self.column_sums = self.column_sums[..., : self.get_seq_length()]
-        self._recorded_rows = []
-        self._recorded_start = None
+    def _crop_integral(self, states_after_crop: dict[int, torch.Tensor | None]) -> None:
+        """Sets the states `_integral_after_crop` computed (after the keys and values were cropped), then restarts the
+        recording (as transformers' linear-attention layers keep only what the next forward needs after a `crop`)."""
+        for state_idx, state in states_after_crop.items():
+            if state is None:
+                self.has_previous_state[state_idx] = False
+                continue
+            if state_idx == COLUMN_SUMS:
+                state = state[..., : self.get_seq_length()]
+            self._store_recurrent_state(state, state_idx)
+        self._recorded_rows, self._recorded_start = {}, {}
+
+    def _map_recorded_rows(self, function) -> None:
+        """Applies `function` (a batch operation) to the recorded running states."""
+        self._recorded_rows = {i: [function(chunk) for chunk in chunks] for i, chunks in self._recorded_rows.items()}
+        self._recorded_start = {
+            i: None if state is None else function(state) for i, state in self._recorded_start.items()
+        }
+
+    def _reset_integral(self) -> None:
+        self._init_integral_state()
+        self.record_past = False
 
 
-def _describe_integral_kind(integral: str, state_name: str | None) -> str:
-    path = {"signal_sum": "the fast path", "column_sums": "the materializing path (eager attention or integral "
-            "'softmax')", None: "no integral statistics"}[state_name]
+def _describe_integral_kind(integral: str, state_idx: int | None) -> str:
+    path = {
+        SIGNAL_SUM: "the fast path",
+        COLUMN_SUMS: "the materializing path (eager attention or integral 'softmax')",
+        None: "no integral statistics",
+    }[state_idx]
     return f"integral={integral!r} ({path})"
 
 
-class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
-    """A `DynamicLayer` (keys and values grow by concatenation) that also carries the DINT integral statistics.
-
-    The integral state stays on the compute device when the cache offloads keys and values: it is O(1) per layer for
-    integral "mean" (and one fp32 value per key and head for the materializing path).
-    """
+class DintDynamicLayer(DintIntegralStateMixin, RecurrentStateAndFullAttentionLayer):
+    """A dynamic layer (keys and values grow by concatenation) that also carries the DINT integral statistics as its
+    recurrent states; the column sums grow with the keys, so each state is replaced rather than written in place."""
 
     _layer_type = DINT_LAYER_TYPE
+    # `crop` rolls the integral back over the recorded rows (transformers' linear-attention layers cannot be cropped)
+    is_croppable = True
 
     def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(number_of_states=len(INTEGRAL_STATE_NAMES))
         self._init_integral_state()
+
+    def _store_recurrent_state(self, state: torch.Tensor, state_idx: int) -> torch.Tensor:
+        # A copy where `state` is one row of a running tensor: a view would keep the whole tensor alive in the cache.
+        self.recurrent_states[state_idx] = state.contiguous()
+        self.is_recurrent_states_initialized[state_idx] = True
+        return self.recurrent_states[state_idx]
 
     def reset(self) -> None:
         super().reset()
-        self._init_integral_state()
+        self._reset_integral()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -212,13 +219,19 @@ class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
                 f"`crop` takes 0 or a negative number of tokens to remove, got {tokens_to_remove} (the legacy "
                 "absolute length is not supported by DINT cache layers)."
             )
-        state_after_crop = self._integral_after_crop(tokens_to_remove)  # raises before anything is cropped
-        super().crop(tokens_to_remove)
-        self._crop_integral(state_after_crop)
+        states_after_crop = self._integral_after_crop(-tokens_to_remove)  # raises before anything is cropped
+        DynamicLayer.crop(self, tokens_to_remove)
+        self._crop_integral(states_after_crop)
+
+    def _map_integral_state(self, function) -> None:
+        for state_idx, state in self.recurrent_states.items():
+            if self.is_recurrent_states_initialized[state_idx]:
+                self.recurrent_states[state_idx] = function(state)
+        self._map_recorded_rows(function)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_integral_state(lambda state: state.index_select(0, beam_idx.to(state.device)))
+        self._map_recorded_rows(lambda state: state.index_select(0, beam_idx.to(state.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -229,10 +242,10 @@ class DintDynamicLayer(DintIntegralStateMixin, DynamicLayer):
         self._map_integral_state(lambda state: state[indices.to(state.device) if torch.is_tensor(indices) else indices])
 
 
-class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
-    """A `StaticLayer` (preallocated keys and values, for `torch.compile` and `cache_implementation="static"`) that
-    also carries the DINT integral statistics, allocated at the first update and then written in place so that their
-    addresses stay fixed under compilation."""
+class DintStaticLayer(DintIntegralStateMixin, RecurrentStateAndStaticFullAttentionLayer):
+    """A static layer (preallocated keys and values, for `torch.compile` and `cache_implementation="static"`) that
+    also carries the DINT integral statistics as its recurrent states, allocated at their first update and then
+    written in place, so that their addresses stay fixed under compilation."""
 
     _layer_type = DINT_LAYER_TYPE
     # transformers 5.24 gives `StaticLayer` a crop that rewinds K/V only and lets generate() crop static caches
@@ -240,8 +253,15 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
     is_croppable = False
 
     def __init__(self, max_cache_len: int, **kwargs):
-        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        super().__init__(max_cache_len=max_cache_len, number_of_states=len(INTEGRAL_STATE_NAMES))
         self._init_integral_state()
+
+    def _store_recurrent_state(self, state: torch.Tensor, state_idx: int) -> torch.Tensor:
+        current = self.recurrent_states[state_idx]
+        if current is not None and current.shape != state.shape:  # another batch size: allocated anew
+            self.is_recurrent_states_initialized[state_idx] = False
+        # transformers' storage: allocated at the first update (a static address), then written in place
+        return RecurrentStateAndStaticFullAttentionLayer.update_recurrent_state(self, state, state_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -249,43 +269,18 @@ class DintStaticLayer(DintIntegralStateMixin, StaticLayer):
             "back. Use a dynamic cache (the default) for assisted and prompt-lookup decoding."
         )
 
-    def _set_state(self, query_count, signal_sum, column_sums) -> None:
-        if self.query_count is None or self.query_count.shape != query_count.shape:
-            super()._set_state(
-                query_count.clone(),
-                None if signal_sum is None else signal_sum.clone(),
-                None if column_sums is None else column_sums.clone(),
-            )
-            return
-        self.query_count.copy_(query_count)
-        for name, value in (("signal_sum", signal_sum), ("column_sums", column_sums)):
-            current = getattr(self, name)
-            if value is None or current is None or current.shape != value.shape:
-                setattr(self, name, None if value is None else value.clone())
-            else:
-                current.copy_(value)
-
     def reset(self) -> None:
         super().reset()
-        for state in self.integral_state():
-            if state is not None:
-                state.zero_()
-        self.integral_kind = None
-        self.record_past = False
-        self._recorded_rows = []
-        self._recorded_start = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        for state in self.integral_state():
-            if state is not None:
-                state.copy_(state.index_select(0, beam_idx.to(state.device)))
+        self._reset_integral()
 
 
 def check_dint_cache(cache, config) -> None:
     """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
     none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
-    integral mode or path. Nothing in the cache changes."""
+    integral mode or path. Nothing in the cache changes then; otherwise each layer records which statistics it keeps.
+    A cache that declares `is_dint_cache` (DINT's continuous-batching step) carries every DINT layer's state itself."""
+    if getattr(cache, "is_dint_cache", False):
+        return
     layers = getattr(cache, "layers", None)
     if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
         raise ValueError(
@@ -299,11 +294,65 @@ def check_dint_cache(cache, config) -> None:
             f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
             "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
         )
-    state_name = None
-    if config.integral != "none":
-        state_name = "column_sums" if uses_materializing_path(config) else "signal_sum"
-    for layer in layers[: config.num_hidden_layers]:
-        layer.check_integral_kind(config.integral, state_name)
+    state_idx = integral_state_index(config)
+    layers = layers[: config.num_hidden_layers]
+    for layer in layers:  # every layer first, so that a refusal leaves the cache as it was
+        layer.check_integral_kind(config.integral, state_idx)
+    for layer in layers:
+        if layer.integral_kind is None:
+            layer.integral_kind = (config.integral, state_idx)
 
 
-__all__ = ["DintDynamicLayer", "DintStaticLayer", "DintIntegralStateMixin", "check_dint_cache"]
+def store_integral_state(cache, layer_idx: int, state_idx: int, running_sums: torch.Tensor, layout) -> None:
+    """Stores, through the Cache-level method `update_recurrent_state`, layer `layer_idx`'s state after the last new
+    query row: its sums `state_idx` and the count of valid rows (the running values of every row go along, which the
+    layer records for `crop` while it records its past).
+
+    Args:
+        running_sums (`torch.Tensor` of shape `[B, T, *state]`, fp32): the running sums after each new row.
+        layout (`DintIntegralLayout`): the forward's layout, whose `running_query_count` `[B, T]` is the count.
+    """
+    cache.update_recurrent_state(running_sums[:, -1], layer_idx, state_idx=state_idx, running_rows=running_sums)
+    count = layout.running_query_count
+    cache.update_recurrent_state(count[:, -1], layer_idx, state_idx=QUERY_COUNT, running_rows=count)
+
+
+def integral_state_buffers(cache, config) -> dict[str, torch.Tensor]:
+    """Allocates the integral states of a static cache whose keys and values are allocated
+    (`Cache.early_initialization`), as zeros (an empty document), and returns them by name
+    (`dint_query_count_{layer}`, `dint_signal_sum_{layer}`): what an export recipe registers as buffers beside the
+    keys and values, so that the exported program updates them in place from step to step (fast path, integral
+    "mean")."""
+    if integral_state_index(config) != SIGNAL_SUM:
+        raise ValueError(
+            f"Exporting the decode step needs the fast path with integral 'mean' (O(1) state per layer); this model has "
+            f"integral={config.integral!r} and attn_implementation={config._attn_implementation!r}."
+        )
+    buffers = {}
+    for layer_idx, layer in enumerate(cache.layers[: config.num_hidden_layers]):
+        if not layer.is_initialized:
+            raise ValueError("Allocate the cache's keys and values first (`cache.early_initialization(...)`).")
+        batch_size, device = layer.keys.shape[0], layer.keys.device
+        zeros = {
+            QUERY_COUNT: torch.zeros(batch_size, device=device),
+            SIGNAL_SUM: torch.zeros(batch_size, config.num_attention_heads // 2, 2 * config.head_dim, device=device),
+        }
+        for state_idx, state in zeros.items():
+            cache.update_recurrent_state(state, layer_idx, state_idx=state_idx)
+            buffers[f"dint_{INTEGRAL_STATE_NAMES[state_idx]}_{layer_idx}"] = layer.get_integral_state(state_idx)
+    return buffers
+
+
+__all__ = [
+    "DintDynamicLayer",
+    "DintStaticLayer",
+    "DintIntegralStateMixin",
+    "QUERY_COUNT",
+    "SIGNAL_SUM",
+    "COLUMN_SUMS",
+    "INTEGRAL_STATE_NAMES",
+    "integral_state_index",
+    "check_dint_cache",
+    "store_integral_state",
+    "integral_state_buffers",
+]

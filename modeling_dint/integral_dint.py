@@ -114,6 +114,9 @@ class DintIntegralLayout:
             this call where row n's document starts (0 for the rows of a document that started before this call).
         in_carried_document (`torch.Tensor` of shape `[B, T]`, bool, or None with `restart_row`): the rows whose
             document started before this call, into which the cache's sums carry.
+        carry_per_row (`bool`): whether the cache's sums come per query row `[B, T, ...]` (the requests packed into
+            one row by continuous batching, each with its own past: `for_packed_requests`) instead of per batch row
+            `[B, ...]`.
         carry_kept (`bool`, or a bool `torch.Tensor` of shape `[B]` or `[]`): for a call with no `restart_row`,
             whether row 0 continues the cache's document, so that the cache's sums carry into the call (False where
             row 0 starts a document: a position id 0).
@@ -126,6 +129,7 @@ class DintIntegralLayout:
     query_valid: torch.Tensor | None = None
     restart_row: torch.Tensor | None = None
     in_carried_document: torch.Tensor | None = None
+    carry_per_row: bool = False
     carry_kept: torch.Tensor | bool = True
     running_query_count: torch.Tensor | None = None
     inverse_query_count: torch.Tensor | None = None
@@ -167,6 +171,35 @@ class DintIntegralLayout:
         layout.running_query_count = segmented_running_sum(rows, layout, past_query_count, query_dim=1)
         layout.inverse_query_count = layout.running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None]
         return layout
+
+    @classmethod
+    def for_packed_requests(cls, position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor) -> "DintIntegralLayout":
+        """The layout of requests packed into one row, as continuous batching runs them: each request is one document
+        of valid rows whose position ids continue its own past (its count of rows is its position + 1), and a
+        request whose first row is past position 0 continues the sums of its earlier steps, which the cache gives per
+        query row (`carry_per_row`). Rows past the last request (padding) join the last one.
+
+        Args:
+            position_ids (`torch.Tensor` of shape `[1, T]`): each row's position in its request.
+            cu_seq_lens_q (`torch.Tensor` of shape `[R + 1]`): where each of the R requests starts in the row.
+        """
+        positions = position_ids[0].long()
+        num_rows, device = positions.shape[0], positions.device
+        cu_seq_lens_q = cu_seq_lens_q.long().to(device)
+        row_index = torch.arange(num_rows, device=device)
+        last_request = cu_seq_lens_q.shape[0] - 2
+        row_request = torch.searchsorted(cu_seq_lens_q[1:], row_index, right=True).clamp(max=last_request)
+        request_start = cu_seq_lens_q[:-1].clamp(max=num_rows - 1)
+        continues_past = positions[request_start] > 0
+        running_query_count = (positions + 1).float()[None]
+        return cls(
+            query_valid=None,
+            restart_row=request_start[row_request][None],
+            in_carried_document=continues_past[row_request][None],
+            carry_per_row=True,
+            running_query_count=running_query_count,
+            inverse_query_count=running_query_count.reciprocal()[:, :, None, None],
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "DintIntegralLayout":
         """The layout with its tensors on `device`. Accelerate's hooks call it to move a layer's arguments to the
@@ -216,8 +249,8 @@ def segmented_running_sum(
         rows (`torch.Tensor`): one value per query row along `query_dim`: the fast path's signal outputs
             `[B, T, H/2, 2d]` (query_dim 1), the signal maps `[B, H/2, T, K]` (query_dim 2), or `[B, T]`.
         layout (`DintIntegralLayout`): which rows count and where documents start.
-        carry (`torch.Tensor`, *optional*): `rows`' shape without the query dimension: the sum over the rows of the
-            current document before this call (from the cache).
+        carry (`torch.Tensor`, *optional*): the sum over the rows of the current document before this call (from the
+            cache): `rows`' shape without the query dimension, or with it where `layout.carry_per_row`.
 
     Returns:
         `torch.Tensor` of `rows`' shape, fp32: row n holds the sum of the valid rows m <= n of n's document.
@@ -231,18 +264,20 @@ def segmented_running_sum(
         rows = torch.where(along_rows(layout.query_valid), rows, 0.0)
     totals = _cumsum_over_rows(rows, query_dim)
     if carry is not None:
-        carry = carry.float().unsqueeze(query_dim)
+        carry = carry.float() if layout.carry_per_row else carry.float().unsqueeze(query_dim)
     if layout.restart_row is None:  # no document starts after row 0
         if carry is None or layout.carry_kept is False:
             return totals
         if layout.carry_kept is not True:
             carry = torch.where(layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)), carry, 0.0)
         return totals + carry
-    # A row of a document that started in this call subtracts the sum before that document's first row; a row of the
-    # document that started before adds the carry.
+    # Every row subtracts the sum before its document's first row (0 for a document that starts at row 0); a row of a
+    # document that started before this call adds the carry.
     sum_before_restart = (totals - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
-    carried = 0.0 if carry is None else -carry
-    return totals - torch.where(along_rows(layout.in_carried_document), carried, sum_before_restart)
+    running = totals - sum_before_restart
+    if carry is None:
+        return running
+    return running + torch.where(along_rows(layout.in_carried_document), carry, 0.0)
 
 
 def compose_final_attention(

@@ -22,6 +22,7 @@ from .transformers_compat import (  # noqa: I001
     accepts_past_key_values,
     build_dint_cache_layers,
     create_causal_mask,
+    get_recurrent_state,
 )
 
 import torch
@@ -52,7 +53,15 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_dint import DintDynamicLayer, DintStaticLayer, check_dint_cache
+from .cache_dint import (
+    COLUMN_SUMS,
+    QUERY_COUNT,
+    SIGNAL_SUM,
+    DintDynamicLayer,
+    DintStaticLayer,
+    check_dint_cache,
+    store_integral_state,
+)
 from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .integral_dint import (
     DintIntegralLayout,
@@ -232,18 +241,17 @@ class DintAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        cache, cache_layer = kwargs.pop(CACHE_ARGUMENT, None), None
+        cache = kwargs.pop(CACHE_ARGUMENT, None)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-            cache_layer = cache.layers[self.layer_idx]
 
         if uses_materializing_path(self.config):
             attn_output, attn_weights = self._materialized_attention(
-                query_states, key_states, value_states, attention_mask, integral_layout, cache_layer
+                query_states, key_states, value_states, attention_mask, integral_layout, cache
             )
         else:
             attn_output = self._fast_attention(
-                query_states, key_states, value_states, attention_mask, integral_layout, cache_layer, **kwargs
+                query_states, key_states, value_states, attention_mask, integral_layout, cache, **kwargs
             )
             attn_weights = None
 
@@ -254,7 +262,7 @@ class DintAttention(nn.Module):
         return attn_output, attn_weights
 
     def _fast_attention(
-        self, query_states, key_states, value_states, attention_mask, integral_layout, cache_layer, **kwargs
+        self, query_states, key_states, value_states, attention_mask, integral_layout, cache, **kwargs
     ) -> torch.Tensor:
         """O1 and O2 from the configured attention backend, then `O1 - lambda * O2 + lambda * running_mean(O1)`:
         `[B, T, H/2, 2d]`, fp32 (the model's dtype for integral "none")."""
@@ -282,15 +290,14 @@ class DintAttention(nn.Module):
         signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
         lambda_full = self.lambda_full()
         if self.integral == "none":
-            if cache_layer is not None:
-                cache_layer.update_integral("none")
             return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
 
-        # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document ---
-        if cache_layer is None:
-            running_signal_sum = segmented_running_sum(signal_output, integral_layout)  # [B, T, H/2, 2d], fp32
-        else:  # the cache layer adds what it carries from earlier calls, and keeps the new state
-            running_signal_sum = cache_layer.running_signal_sum(self.integral, signal_output, integral_layout)
+        # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document, the sum
+        # the cache carries from earlier calls included ---
+        carry = get_recurrent_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
+        if cache is not None:
+            store_integral_state(cache, self.layer_idx, SIGNAL_SUM, running_signal_sum, integral_layout)
         # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
         noise_minus_integral = torch.addcmul(
             noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1
@@ -298,7 +305,7 @@ class DintAttention(nn.Module):
         return torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
 
     def _materialized_attention(
-        self, query_states, key_states, value_states, key_valid, integral_layout, cache_layer
+        self, query_states, key_states, value_states, key_valid, integral_layout, cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The paper's formulas with explicit maps A1, A2, G and A_final (the reference). Returns the output
         `[B, T, H/2, 2d]` (fp32) and the maps `[B, H, T, K]` (signal maps then noise maps)."""
@@ -310,18 +317,16 @@ class DintAttention(nn.Module):
         attn_weights = attn_weights.to(query_states.dtype)
         signal_weights, noise_weights = torch.chunk(attn_weights, 2, dim=1)  # A1, A2: [B, H/2, T, K]
 
+        carry = None
+        if cache is not None and self.integral != "none":
+            carry = get_recurrent_state(cache, self.layer_idx, COLUMN_SUMS)
         final_weights, running_column_sums = compose_final_attention(
-            signal_weights,
-            noise_weights,
-            self.lambda_full(),
-            self.integral,
-            integral_layout,
-            key_valid,
-            cache_layer.integral_carry("column_sums") if cache_layer is not None else None,
+            signal_weights, noise_weights, self.lambda_full(), self.integral, integral_layout, key_valid, carry
         )
-        if cache_layer is not None:
-            running_query_count = integral_layout.running_query_count if integral_layout is not None else None
-            cache_layer.update_integral(self.integral, running_query_count, running_column_sums=running_column_sums)
+        if cache is not None and running_column_sums is not None:  # [B, H/2, T, K], stored with the rows first
+            store_integral_state(
+                cache, self.layer_idx, COLUMN_SUMS, running_column_sums.transpose(1, 2), integral_layout
+            )
 
         head_values = repeat_kv(differential_head_values(value_states), self.num_key_value_groups)  # [B, H/2, K, 2d]
         attn_output = torch.matmul(final_weights, head_values.float())
@@ -394,8 +399,9 @@ class DintPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: DintConfig, *inputs, **kwargs):
-        # A config changed after construction (`config.integral = "sofmax"`) is validated again here.
-        config.validate()
+        # A config changed after construction (`config.integral = "sofmax"`) is validated again here: DINT's own
+        # fields only (transformers' checks, such as the rope parameters', ran when the config was built).
+        config.validate_architecture()
         super().__init__(config, *inputs, **kwargs)
 
     @torch.no_grad()
@@ -459,6 +465,7 @@ class DintModel(DintPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        integral_layout: DintIntegralLayout | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         r"""
@@ -466,6 +473,9 @@ class DintModel(DintPreTrainedModel):
             The cache this forward continues (K/V and the DINT integral statistics), e.g.
             `DynamicCache(config=model.config)`. Before transformers 5.24 it is passed as `past_key_values`, which is
             still accepted (`transformers_compat.accepts_past_key_values`).
+        integral_layout (`DintIntegralLayout`, *optional*):
+            Where the integral counts and restarts over this forward's query rows, where the caller has built it
+            (e.g. `DintIntegralLayout.for_packed_requests` for continuous batching); built from the inputs otherwise.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -473,17 +483,9 @@ class DintModel(DintPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
-        # --- serving hook: continuous batching passes its paged cache as `cache`; modeling_dint/serving.py gives it a
-        # DINT step, which stands in for the cache (K/V written once, each request's integral carried) and the layout.
-        integral_layout = None
-        paged_step = getattr(cache, "dint_paged_step", None)
-        if paged_step is not None:
-            cache, integral_layout, kwargs = paged_step(self.config, position_ids, kwargs)
-        # --- end of serving hook ---
-
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if cache is not None and paged_step is None:  # (serving hook: `and paged_step is None`)
+        if cache is not None:
             build_dint_cache_layers(cache, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
             check_dint_cache(cache, self.config)
 
@@ -497,7 +499,7 @@ class DintModel(DintPreTrainedModel):
             masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         causal_mask = masks[DINT_LAYER_TYPE]
 
-        if integral_layout is None:  # (serving hook: a continuous-batching step brings its own layout)
+        if integral_layout is None:
             query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
             integral_layout = self.integral_layout(
                 inputs_embeds, query_valid, given_position_ids, cache, cu_seq_lens_q
@@ -543,7 +545,7 @@ class DintModel(DintPreTrainedModel):
         document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
         past_query_count, carry_kept = None, False
         if cache is not None:
-            past_query_count = cache.layers[0].past_query_count()
+            past_query_count = get_recurrent_state(cache, 0, QUERY_COUNT)
             carry_kept = cache.get_seq_length() > 0
         return DintIntegralLayout.build(
             query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device, carry_kept
@@ -566,6 +568,19 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
 
     # Llama's: the decoder's last hidden states (those of `logits_to_keep`) through the LM head, and the loss.
     forward = LlamaForCausalLM.forward
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`), with each
+        request's integral state kept beside its paged keys and values: the adapter `modeling_dint.serving`, which
+        the installed package provides (the remote code does not carry it)."""
+        try:
+            from modeling_dint.serving import init_continuous_batching
+        except ImportError as error:
+            raise ImportError(
+                "Continuous batching of a DINT model needs the modeling_dint package (`pip install modeling-dint`), "
+                f"whose serving adapter the remote code does not carry ({error})."
+            ) from error
+        return init_continuous_batching(self, *args, **kwargs)
 
     @accepts_past_key_values
     def create_masks_for_generate(

@@ -2,8 +2,7 @@
 """DINT under transformers' continuous batching (`model.generate_batch`, `transformers serve --continuous-batching`).
 
 Continuous batching flattens every scheduled request into one row `[1, T]` (`cu_seq_lens_q` delimits them, position
-ids continue each request's past) and keeps K and V in a paged cache that the attention backend writes. DINT needs two
-more things, both here:
+ids continue each request's past) and keeps K and V in a paged cache. DINT needs two more things, both here:
 
 - the integral state of each request, carried from one scheduling step to the next: the fp32 running sum of the
   signal output `O1` per layer (`[H/2, 2d]`; its count is the request's position + 1, since a request has no padding).
@@ -11,75 +10,79 @@ more things, both here:
   block. A request's carry is the state of the block that holds its previous token, so the state is allocated and
   freed with the request's blocks, follows block forks (parallel sampling) and prefix sharing (a shared complete
   block holds the state after the shared prefix) with no bookkeeping of its own;
-- K and V written once per layer and step: the fast path calls the backend twice (the two halves of V), and a
-  backend that writes the paged cache would write each half as V. The DINT step writes K/V itself
-  (`PagedAttentionCache.update`), then calls the backend with a cache that writes nothing.
+- K and V written once per layer and step: the fast path calls the backend twice (the two halves of V), so the DINT
+  layer writes the paged K/V in `cache.update`, as Llama's attention does, and the backends read it.
+
+How it is enabled: `DintForCausalLM.init_continuous_batching` (transformers' entry point of continuous batching)
+calls `init_continuous_batching` here, which refuses what cannot run (another transformers release, integral
+"softmax"), registers DINT's cache allocator for the `dint_attention` layers, and returns a continuous-batching
+manager whose paged cache is `DintPagedAttentionCache`. Each step, a forward pre-hook of the model turns that cache
+into a `DintPagedStep`: a cache object with the recurrent-state methods of transformers' caches
+(`get_recurrent_state`, `update_recurrent_state`), which the model uses as it uses any cache, and the step's
+`DintIntegralLayout.for_packed_requests`. Nothing happens at import.
 
 Every transformers internal this depends on is used in this module only (listed in `TRANSFORMERS_INTERNALS`), read in
-transformers 5.23 and 5.24; `tests/test_serving.py` checks each of them and fails loudly when one changes.
+transformers 5.24; `tests/test_serving.py` checks each of them and fails loudly when one changes.
 """
 
-import inspect
+import contextlib
 
 import torch
-import transformers
-from transformers.generation.continuous_batching import cache as continuous_batching_cache
+from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .cache_dint import QUERY_COUNT, SIGNAL_SUM
 from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import DintIntegralLayout, segmented_running_sum
+from .integral_dint import DintIntegralLayout
+from .transformers_compat import CACHE_ARGUMENT, installed_release
 
 
-WRITTEN_FOR_TRANSFORMERS = ("5.23", "5.24")
-"""The transformers releases (major.minor) whose continuous-batching internals this module was written against. From
-5.24 the model writes the paged K/V itself (`cache.update` in the attention, as Llama) and the paged backends write
-nothing; on 5.23 they write the cache they are given, so a DINT layer gives them one that writes nothing."""
-
-PAGED_BACKENDS_WRITE_THE_CACHE = "cache" in inspect.signature(sdpa_attention_forward).parameters
-"""5.23: the paged backends (sdpa, `paged|eager`, flash) write the K/V of the paged cache they are given as `cache`;
-from 5.24 the attention module writes it (`cache.update`) and they take no cache."""
+WRITTEN_FOR_TRANSFORMERS = ((5, 24),)
+"""The transformers releases (major, minor) whose continuous-batching internals this module was written against. From
+5.24 the attention module writes the paged K/V itself (`cache.update`, as Llama's) and the paged backends only read
+it; on 5.23 the backends write the cache they are given, once per call, which DINT's two calls per layer cannot use."""
 
 TRANSFORMERS_INTERNALS = {
     "continuous_batching.cache.ATTN_TYPE_TO_ALLOCATOR": "registry of cache allocators by layer type (DINT's is added)",
-    "continuous_batching.cache.PagedAttentionCache.__init__": "wrapped: the DINT group is keyed as full attention",
+    "continuous_batching.cache.PagedAttentionCache": "subclassed: the DINT group is keyed as full attention",
     "continuous_batching.cache.PagedAttentionCache.update(key_states, value_states, layer_idx, kwargs)": "K/V write",
     "continuous_batching.cache_allocators.FullAttentionCacheAllocator": "subclassed (register_cache_tensor, "
-    "copy_blocks, block_physical_stride, tokens_per_page, layer_indices, _copy_view)",
-    "integrations.sdpa_attention.sdpa_attention_forward(cache=...)": "whether the paged backends write K/V (5.23) "
-    "or the attention module does (5.24): PAGED_BACKENDS_WRITE_THE_CACHE",
-    "model forward kwargs cache / read_index / write_index / cu_seq_lens_q / cu_seq_lens_k / max_length_k": "the "
-    "step's layout (PagedAttentionArgs)",
+    "copy_blocks, block_physical_stride, tokens_per_page, layer_indices, write_trash_index, _copy_view, index)",
+    "continuous_batching.continuous_api.ContinuousBatchingManager": "subclassed: _create_batch_processor builds the "
+    "paged cache by the module's name `PagedAttentionCache`, which DINT's subclass stands in for during that call",
+    "continuous_batching.continuous_api.ContinuousMixin.init_continuous_batching": "builds the manager by the "
+    "module's name `ContinuousBatchingManager`, which DINT's subclass stands in for during that call",
+    "model forward kwargs cache / read_index / write_index / cu_seq_lens_q / cu_seq_lens_k / max_length_k / "
+    "block_table": "the step's layout (PagedAttentionArgs)",
 }
 """Each transformers internal the integration touches, and what for (the closing note and the test list them)."""
 
 
-def installed_release() -> str:
-    """The installed transformers' minor release, e.g. "5.24"."""
-    return ".".join(transformers.__version__.split(".")[:2])
-
-
 def check_transformers_release() -> None:
-    """Fails with both versions named when the installed transformers is not the release this module was read in."""
-    if installed_release() not in WRITTEN_FOR_TRANSFORMERS:
-        releases = " or ".join(f"{release}.x" for release in WRITTEN_FOR_TRANSFORMERS)
+    """Fails with both versions named when the installed transformers is not a release this module was read in."""
+    if installed_release()[:2] not in WRITTEN_FOR_TRANSFORMERS:
+        import transformers
+
+        releases = " or ".join(f"{major}.{minor}.x" for major, minor in WRITTEN_FOR_TRANSFORMERS)
         raise RuntimeError(
             f"DINT's continuous-batching integration (modeling_dint/serving.py) was written for the internals of "
             f"transformers {releases}; transformers {transformers.__version__} is installed. Install "
-            f"transformers=={WRITTEN_FOR_TRANSFORMERS[-1]}.* to serve DINT with continuous batching, or port the "
-            "module (tests/test_serving.py names what to check)."
+            f"transformers=={releases.split(' or ')[-1][:-2]}.* to serve DINT with continuous batching, or use "
+            "`generate()`."
         )
 
 
-class _KeysValuesWritten:
-    """Stands in for the paged cache in the backend calls of a DINT layer, whose K/V the DINT step has written: the
-    `paged|eager` backend calls `update` (returns the states as given); `sdpa` and flash, which write only into a
-    `PagedAttentionCache`, skip it."""
-
-    @staticmethod
-    def update(key_states, value_states, layer_idx=None, kwargs=None):
-        return key_states, value_states
+def check_servable(config) -> None:
+    """Refuses, before any request, a DINT model that continuous batching cannot run: integral "softmax" needs the
+    per-key column sums of each request, which the paged cache does not keep."""
+    if config.integral == "softmax":
+        raise ValueError(
+            "DINT with integral='softmax' cannot run under continuous batching: its integral needs the per-key "
+            "column sums of each request, which the paged cache does not keep. Serve it without continuous batching "
+            "(model.generate(), or dint-serve without --continuous-batching), or use a model with integral='mean' "
+            "or 'none' (dint-convert --integral mean converts a checkpoint)."
+        )
 
 
 class DintPagedCacheAllocator(FullAttentionCacheAllocator):
@@ -127,66 +130,45 @@ class DintPagedCacheAllocator(FullAttentionCacheAllocator):
             self.integral_sums.index_copy_(0, dest, self.integral_sums.index_select(0, source))
 
 
-class DintPagedLayer:
-    """What a DINT layer reads of its cache in one continuous-batching step: the running sum of O1 over each request,
-    carried from the request's earlier steps."""
+class DintPagedAttentionCache(PagedAttentionCache):
+    """transformers' paged cache, with the group of DINT layers keyed as full attention (the step's inputs know full
+    and sliding attention only). For a model without DINT layers it is `PagedAttentionCache` itself."""
 
-    def __init__(self, step: "DintPagedStep", layer_idx: int):
-        self.step = step
-        self.layer_idx = layer_idx
-
-    def update_integral(self, integral: str, *args, **kwargs) -> None:
-        """What the attention calls for integral "none": nothing is carried (for "mean", `running_signal_sum`
-        stores the state)."""
-        if integral != "none":
-            raise RuntimeError("A DINT paged layer stores integral statistics in `running_signal_sum` only.")
-
-    def running_signal_sum(self, integral: str, signal_output: torch.Tensor, layout: DintIntegralLayout) -> torch.Tensor:
-        """The running sum of `signal_output` (`[1, T, H/2, 2d]`) over each request's rows, its earlier steps included
-        (fp32, same shape); the state after the last row of each request and each completed block is stored."""
-        step = self.step
-        running_sum = segmented_running_sum(signal_output, layout)  # restarts at each request's first row
-        slot = step.allocator.layer_slot[self.layer_idx]
-        sums = step.allocator.integral_sums
-        if step.carry_rows is not None:
-            carry = sums[step.carry_blocks, slot]  # [T, H/2, 2d]
-            running_sum = running_sum + torch.where(step.carry_rows[:, None, None], carry, 0.0)[None]
-        sums[step.store_blocks, slot] = running_sum[0].to(sums.dtype)
-        return running_sum
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        dint_allocators = [ca for ca in self.cache_allocators.values() if isinstance(ca, DintPagedCacheAllocator)]
+        if not dint_allocators:
+            return
+        if len(self.cache_allocators) > 1:
+            raise ValueError(
+                "A DINT model's layers must all be DINT layers under continuous batching; got the cache groups "
+                f"{list(self.cache_allocators)}."
+            )
+        self.cache_allocators = {FULL_ATTENTION: dint_allocators[0]}
+        self.dint_allocator = dint_allocators[0]
 
 
 class DintPagedStep:
-    """A DINT model's view of one continuous-batching step: the cache its layers see (K/V written once into the
-    paged cache, each request's integral state read and stored per block) and the integral layout of the flattened
-    row. Built by `dint_paged_step` from the forward's keyword arguments."""
+    """The cache a DINT model sees in one continuous-batching step: K/V written once into the paged cache
+    (`update`), and each request's integral state read and stored per block through the recurrent-state methods of
+    transformers' caches (`get_recurrent_state`, `update_recurrent_state`). Its `layout` is the step's
+    `DintIntegralLayout.for_packed_requests`. Built by the model's forward pre-hook from the step's arguments."""
 
     is_compileable = False
+    is_dint_cache = True  # `check_dint_cache`: it carries the integral state of every DINT layer
 
-    def __init__(self, paged_cache: PagedAttentionCache, allocator: DintPagedCacheAllocator, config, position_ids, kwargs):
+    def __init__(self, paged_cache: DintPagedAttentionCache, position_ids: torch.Tensor, kwargs: dict):
         self.paged_cache = paged_cache
-        self.allocator = allocator
+        self.allocator = allocator = paged_cache.dint_allocator
         # What `PagedAttentionCache.update` reads (it resolves the group's entries in a copy, per layer)
         self.cache_kwargs = {name: kwargs[name] for name in ("read_index", "write_index", "cu_seq_lens_k", "max_length_k")}
-        self.layers = [DintPagedLayer(self, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        self.layout = DintIntegralLayout.for_packed_requests(position_ids, kwargs["cu_seq_lens_q"])
 
         positions = position_ids[0].long()  # [T]
-        num_rows = positions.shape[0]
-        device = positions.device
+        num_rows, device = positions.shape[0], positions.device
         cu_seq_lens_q = kwargs["cu_seq_lens_q"].long()
-        # The request of each row (rows past the last request are padding: they join the last one and store in trash)
         row_index = torch.arange(num_rows, device=device)
         row_request = torch.searchsorted(cu_seq_lens_q[1:], row_index, right=True).clamp(max=cu_seq_lens_q.shape[0] - 2)
-        request_start = cu_seq_lens_q[:-1]
-        restart_row = request_start[row_request].clamp(max=num_rows - 1)
-        # Each request is one document of valid rows from position 0, so the count of a row is its position + 1
-        running_query_count = (positions + 1).float()[None]
-        self.layout = DintIntegralLayout(
-            query_valid=None,
-            restart_row=restart_row[None],
-            in_carried_document=torch.zeros(1, num_rows, dtype=torch.bool, device=device),
-            running_query_count=running_query_count,
-            inverse_query_count=running_query_count.clamp(min=1.0).reciprocal()[:, :, None, None],
-        )
 
         group = allocator.index
         write_index = kwargs["write_index"][group][:num_rows]
@@ -199,91 +181,105 @@ class DintPagedStep:
         self.store_blocks = torch.where(store, write_index // allocator.block_physical_stride, trash_block)
 
         # A request that continues (its first row is past position 0) carries the state of its previous token's block
-        # (no read index: no request of the step has a past)
+        # (no read index: no request of the step has a past). Rows of the other requests read a block they ignore.
         read_index = kwargs["read_index"][group]
-        self.carry_rows, self.carry_blocks = None, None
+        self.carry_blocks = None
         if allocator.integral_sums is not None and read_index.numel() > 0:
-            first_position = positions[request_start.clamp(max=num_rows - 1)]
+            request_start = cu_seq_lens_q[:-1].clamp(max=num_rows - 1)
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
-            previous_token = (cu_seq_lens_k[:-1] + first_position - 1).clamp(min=0, max=read_index.numel() - 1)
-            carry_blocks = read_index[previous_token] // allocator.block_physical_stride
-            self.carry_rows = (first_position > 0)[row_request]
-            self.carry_blocks = carry_blocks[row_request]
+            previous_token = (cu_seq_lens_k[:-1] + positions[request_start] - 1).clamp(min=0, max=read_index.numel() - 1)
+            self.carry_blocks = (read_index[previous_token] // allocator.block_physical_stride)[row_request]
+
+    def model_kwargs(self, kwargs: dict) -> dict:
+        """The model's keyword arguments for this step: this object as the cache, the step's layout, and the
+        full-attention entries of the per-group `cu_seq_lens_k` / `max_length_k` for the attention backend."""
+        layer_type = self.allocator.layer_type
+        return {
+            **kwargs,
+            CACHE_ARGUMENT: self,
+            "integral_layout": self.layout,
+            "cu_seq_lens_k": kwargs["cu_seq_lens_k"][layer_type],
+            "max_length_k": kwargs["max_length_k"][layer_type],
+        }
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # each request's past is in its position ids; the flattened row has no common past
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Writes the step's K/V of layer `layer_idx` into the paged cache and returns each request's keys and values
         `[1, kv_heads, past + new (all requests), head_dim]`."""
         return self.paged_cache.update(key_states, value_states, layer_idx, kwargs=dict(self.cache_kwargs))
 
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """`SIGNAL_SUM`: the sum each row's request carries from its earlier steps, per query row `[1, T, H/2, 2d]`
+        (`layout.carry_per_row`); None where no request of the step has a past. The count is the layout's."""
+        if state_idx != SIGNAL_SUM or self.carry_blocks is None:
+            return None
+        return self.allocator.integral_sums[self.carry_blocks, self.allocator.layer_slot[layer_idx]][None]
 
-def dint_paged_step(paged_cache: PagedAttentionCache, config, position_ids, kwargs) -> tuple:
-    """The DINT model's entry into a continuous-batching step (`DintModel.forward` calls it through the paged cache).
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
+        """Stores the running sum after each request's last row and after each block it completes (from
+        `running_rows`, `[1, T, H/2, 2d]`). The count of a request is its position + 1: nothing to store."""
+        if state_idx == QUERY_COUNT:
+            return recurrent_states
+        sums = self.allocator.integral_sums
+        sums[self.store_blocks, self.allocator.layer_slot[layer_idx]] = running_rows[0].to(sums.dtype)
+        return recurrent_states
 
-    Returns the cache the layers see, the integral layout, and the keyword arguments for the layers: the backend gets
-    a cache that writes nothing and the full-attention group's `cu_seq_lens_k` / `max_length_k`.
-    """
-    check_transformers_release()
-    if config.integral == "softmax":
-        raise NotImplementedError(
-            "DINT with integral='softmax' does not run under continuous batching yet: its integral needs the per-key "
-            "column sums of each request, which the paged cache does not keep. Use model.generate(), or a model with "
-            "integral='mean' or 'none'."
-        )
+
+def _enter_paged_step(model, args: tuple, kwargs: dict):
+    """The DINT model's forward pre-hook: in a continuous-batching step (its cache is a `DintPagedAttentionCache`),
+    the model gets the step's cache object and layout instead of the paged cache; any other call is left alone."""
+    paged_cache = kwargs.get(CACHE_ARGUMENT)
+    if not isinstance(paged_cache, DintPagedAttentionCache):
+        return None
     if kwargs.get("block_table") is not None:
         raise RuntimeError("DINT disables the decode fast path (block table) of continuous batching; got a block table.")
-    allocator = next(iter(paged_cache.cache_allocators.values()))
-    step = DintPagedStep(paged_cache, allocator, config, position_ids, kwargs)
-    layer_kwargs = dict(kwargs)
-    if PAGED_BACKENDS_WRITE_THE_CACHE:
-        layer_kwargs["cache"] = _KeysValuesWritten()
-    layer_kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
-    layer_kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
-    return step, step.layout, layer_kwargs
+    step = DintPagedStep(paged_cache, kwargs["position_ids"], kwargs)
+    return args, step.model_kwargs(kwargs)
 
 
-def _init_paged_cache_with_dint(paged_cache: PagedAttentionCache, *args, **kwargs) -> None:
-    """`PagedAttentionCache.__init__`, then the DINT group keyed as full attention (the step's inputs know full and
-    sliding attention only) and the DINT step attached for the model's forward."""
-    _original_paged_cache_init(paged_cache, *args, **kwargs)
-    dint_allocators = [ca for ca in paged_cache.cache_allocators.values() if isinstance(ca, DintPagedCacheAllocator)]
-    if not dint_allocators:
-        return
-    if len(paged_cache.cache_allocators) > 1:
-        raise ValueError(
-            "A DINT model's layers must all be DINT layers under continuous batching; got the cache groups "
-            f"{list(paged_cache.cache_allocators)}."
-        )
-    paged_cache.cache_allocators = {FULL_ATTENTION: dint_allocators[0]}
-
-    def step(config, position_ids, kwargs):
-        return dint_paged_step(paged_cache, config, position_ids, kwargs)
-
-    paged_cache.dint_paged_step = step
+@contextlib.contextmanager
+def _stands_in(name: str, replacement: type):
+    """While the block runs, `continuous_api.<name>` is DINT's subclass `replacement` (which behaves as the original
+    for other models): the name by which transformers builds the object."""
+    original = getattr(continuous_api, name)
+    setattr(continuous_api, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(continuous_api, name, original)
 
 
-_original_paged_cache_init = PagedAttentionCache.__init__
+class DintContinuousBatchingManager(continuous_api.ContinuousBatchingManager):
+    """transformers' manager, whose paged cache is `DintPagedAttentionCache`."""
+
+    def _create_batch_processor(self):
+        with _stands_in("PagedAttentionCache", DintPagedAttentionCache):
+            return super()._create_batch_processor()
 
 
-def enable_continuous_batching() -> None:
-    """Registers DINT with transformers' continuous batching (idempotent; importing `modeling_dint` calls it). On
-    another release nothing is patched: its internals were not read (`check_transformers_release` says so)."""
-    if installed_release() not in WRITTEN_FOR_TRANSFORMERS:
-        return
+def init_continuous_batching(model, *args, **kwargs):
+    """`ContinuousMixin.init_continuous_batching` for a DINT model (what `DintForCausalLM.init_continuous_batching`
+    calls): refuses what cannot run, registers DINT's allocator and the model's step hook (once), and returns a
+    `DintContinuousBatchingManager`."""
+    check_transformers_release()
+    check_servable(model.config)
     ATTN_TYPE_TO_ALLOCATOR[DINT_LAYER_TYPE] = DintPagedCacheAllocator
-    if continuous_batching_cache.PagedAttentionCache.__init__ is not _init_paged_cache_with_dint:
-        continuous_batching_cache.PagedAttentionCache.__init__ = _init_paged_cache_with_dint
+    if getattr(model, "_dint_paged_step_hook", None) is None:
+        model._dint_paged_step_hook = model.register_forward_pre_hook(_enter_paged_step, with_kwargs=True)
+    with _stands_in("ContinuousBatchingManager", DintContinuousBatchingManager):
+        return continuous_api.ContinuousMixin.init_continuous_batching(model, *args, **kwargs)
 
 
 __all__ = [
     "DintPagedCacheAllocator",
+    "DintPagedAttentionCache",
     "DintPagedStep",
+    "DintContinuousBatchingManager",
     "check_transformers_release",
-    "installed_release",
-    "dint_paged_step",
-    "enable_continuous_batching",
+    "check_servable",
+    "init_continuous_batching",
     "TRANSFORMERS_INTERNALS",
     "WRITTEN_FOR_TRANSFORMERS",
 ]

@@ -1,14 +1,15 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""What moved between the transformers releases DINT supports (every 5.x from 5.5), bridged in one place.
+"""What moved between the transformers releases DINT supports (every 5.x from 5.5), bridged in this one module.
 
 This file travels with the remote code (`save_pretrained` copies it beside `modeling_dint.py`), so a checkpoint loads
-with `trust_remote_code=True` on whatever supported transformers a machine has. Each bridge names the releases it
-serves: when the floor passes them, delete the bridge and import the transformers name directly.
+with `trust_remote_code=True` on whatever supported transformers a machine has. Each bridge is a named flag, class or
+function that says the releases it serves: when the floor passes them, delete the bridge and use the transformers
+name directly. `installed_release()` is the one place that reads the installed version.
 
-Importing this module first checks the installed release: below the floor, the package and the remote code fail at
-once with `UnsupportedTransformersError`, naming the installed and the minimum version and how to upgrade, instead
-of an ImportError from inside transformers. It imports only `transformers`' top level and `packaging` before that
-check, so it runs on any transformers.
+Importing this module first checks the installed torch and transformers: below a floor, the package and the remote
+code fail at once with one message naming the installed and the minimum version and how to upgrade, instead of an
+ImportError from inside transformers. It imports only torch's and transformers' top level and `packaging` before
+that check, so it runs on any release.
 """
 
 import functools
@@ -22,29 +23,43 @@ from packaging.version import Version
 MINIMUM_TRANSFORMERS_VERSION = "5.5.0"
 """The oldest transformers release DINT runs on (`setup.py`'s `install_requires` states the same bound)."""
 
-TESTED_TRANSFORMERS_VERSIONS = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0", "5.24.0")
-"""The releases `.ci/transformers_matrix.py --full` runs the remote code and the core test suite on."""
+MINIMUM_TORCH_VERSION = "2.6.0"
+"""The oldest torch DINT runs on (`setup.py` states the same bound; `.ci/torch_matrix.py` measures it)."""
 
 
 class UnsupportedTransformersError(ImportError):
-    """The installed transformers is older than `MINIMUM_TRANSFORMERS_VERSION`."""
+    """The installed transformers (or torch) is older than the floor DINT needs."""
 
 
-def _installed_release() -> tuple[int, ...]:
-    """The installed transformers release as numbers, e.g. (5, 5, 4) (a `.dev0` suffix is dropped)."""
-    return Version(transformers.__version__).release
+def installed_release(version: str | None = None) -> tuple[int, ...]:
+    """A release as numbers, e.g. (5, 24, 0) (a local or `.dev0` suffix is dropped); default: the installed
+    transformers."""
+    return Version(transformers.__version__ if version is None else version).release
 
 
 def check_transformers_version(installed: str | None = None) -> None:
     """Raises `UnsupportedTransformersError` if `installed` (default: the installed transformers) is below the floor."""
     installed = transformers.__version__ if installed is None else installed
-    if Version(installed).release < Version(MINIMUM_TRANSFORMERS_VERSION).release:
+    if installed_release(installed) < installed_release(MINIMUM_TRANSFORMERS_VERSION):
         raise UnsupportedTransformersError(
             f"DINT needs transformers >= {MINIMUM_TRANSFORMERS_VERSION}, but transformers {installed} is installed. "
             f'Upgrade it with `pip install -U "transformers>={MINIMUM_TRANSFORMERS_VERSION},<6"`.'
         )
 
 
+def check_torch_version(installed: str | None = None) -> None:
+    """Raises `UnsupportedTransformersError` if `installed` (default: the installed torch) is below the floor (below
+    2.6, transformers itself turns torch off and every model class fails to import)."""
+    installed = torch.__version__ if installed is None else installed
+    if installed_release(installed) < installed_release(MINIMUM_TORCH_VERSION):
+        raise UnsupportedTransformersError(
+            f"DINT needs torch >= {MINIMUM_TORCH_VERSION}, but torch {installed} is installed. Upgrade it with "
+            f'`pip install -U "torch>={MINIMUM_TORCH_VERSION}"` (for the CPU build: '
+            "`--index-url https://download.pytorch.org/whl/cpu`)."
+        )
+
+
+check_torch_version()
 check_transformers_version()
 
 from transformers import cache_utils, masking_utils  # noqa: E402  (only on a supported release)
@@ -83,9 +98,8 @@ def accepts_past_key_values(function):
     return renamed
 
 
+# --- `create_causal_mask(allow_is_causal_skip=...)` exists from 5.15; this bridge serves 5.5 - 5.14 ----------------
 HAS_CAUSAL_SKIP_ARGUMENT = "allow_is_causal_skip" in inspect.signature(masking_utils.create_causal_mask).parameters
-"""`create_causal_mask(allow_is_causal_skip=...)` exists from 5.15 (`create_causal_mask_before_5_15` serves
-5.5 - 5.14)."""
 
 
 def create_causal_mask(*, cache, allow_is_causal_skip: bool = True, **kwargs):
@@ -111,7 +125,8 @@ def create_causal_mask_before_5_15(*, allow_is_causal_skip: bool = True, **kwarg
     return allowed.tril(diagonal=past_length)[None, None].expand(batch_size, 1, -1, -1)
 
 
-# --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14 -------
+# --- cache layers chosen by `layer_types`: transformers registers a layer class by its `_layer_type` from 5.14; this
+# bridge serves 5.5 - 5.13 ---------------------------------------------------------------------------------------------
 HAS_CACHE_LAYER_REGISTRY = hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING")
 """From 5.14, `DynamicCache(config=...)` / `StaticCache(config=...)` build the DINT layers named by `layer_types`."""
 
@@ -138,23 +153,159 @@ def replace_plain_cache_layers(cache, dynamic_layer_class: type, static_layer_cl
             layers[layer_idx] = static_layer_class(max_cache_len=layer.max_cache_len)
 
 
+# --- recurrent states beside K/V: transformers' `LinearAttentionAndFullAttentionLayer` (and, from 5.14, its static
+# variant) keep per-layer recurrent states that a model reaches through `Cache.update_recurrent_state(states,
+# layer_idx, state_idx=...)`. Several states per layer, indexed by `state_idx`, exist from 5.14; this bridge serves
+# 5.5 - 5.13, where a layer keeps one state: the classes below give those releases the 5.14 layout. ------------------
+HAS_INDEXED_RECURRENT_STATES = "number_of_states" in inspect.signature(
+    cache_utils.LinearAttentionCacheLayerMixin.__init__
+).parameters
+
+
+class _IndexedRecurrentStatesBefore5_14:
+    """5.5 - 5.13: the 5.14 layout of a linear-attention layer's recurrent states (dicts keyed by `state_idx`, each
+    allocated at its first update and then written in place, so that its address stays fixed under compilation), for
+    layers that keep recurrent states only (no conv states)."""
+
+    def _init_recurrent_states(self, number_of_states: int) -> None:
+        self.number_of_states = number_of_states
+        self.recurrent_states = dict.fromkeys(range(number_of_states))
+        self.is_recurrent_states_initialized = dict.fromkeys(range(number_of_states), False)
+        self.has_previous_state = dict.fromkeys(range(number_of_states), False)
+        self.record_past = False
+
+    def lazy_initialization(self, *args, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        if args:  # keys and values
+            self._attention_layer_class.lazy_initialization(self, *args)
+            return
+        self.recurrent_states[state_idx] = torch.zeros_like(recurrent_states)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.recurrent_states[state_idx])
+        self.is_recurrent_states_initialized[state_idx] = True
+
+    def update_conv_state(self, conv_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise TypeError("This cache layer keeps recurrent states only (no conv states).")
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.recurrent_states[state_idx].copy_(recurrent_states)
+        return self.recurrent_states[state_idx]
+
+    def _recurrent_state_items(self):
+        return [(i, state) for i, state in self.recurrent_states.items() if self.is_recurrent_states_initialized[i]]
+
+    def offload(self):
+        cache_utils.CacheLayerMixin.offload(self)
+        for i, state in self._recurrent_state_items():
+            self.recurrent_states[i] = state.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        cache_utils.CacheLayerMixin.prefetch(self)
+        for i, state in self._recurrent_state_items():
+            self.recurrent_states[i] = state.to(self.device, non_blocking=True)
+
+    def reset(self) -> None:
+        for _, state in self._recurrent_state_items():
+            state.zero_()
+        self.has_previous_state = dict.fromkeys(range(self.number_of_states), False)
+        self._attention_layer_class.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for i, state in self._recurrent_state_items():
+            self.recurrent_states[i] = state.index_select(0, beam_idx.to(state.device))
+        self._attention_layer_class.reorder_cache(self, beam_idx)
+
+
+if HAS_INDEXED_RECURRENT_STATES:
+    RecurrentStateAndFullAttentionLayer = cache_utils.LinearAttentionAndFullAttentionLayer
+    RecurrentStateAndStaticFullAttentionLayer = cache_utils.LinearAttentionAndStaticFullAttentionLayer
+else:
+
+    class RecurrentStateAndFullAttentionLayer(
+        _IndexedRecurrentStatesBefore5_14, cache_utils.LinearAttentionCacheLayerMixin, cache_utils.DynamicLayer
+    ):
+        """5.5 - 5.13: `LinearAttentionAndFullAttentionLayer` as it is from 5.14 (recurrent states only)."""
+
+        _attention_layer_class = cache_utils.DynamicLayer
+        is_compileable = False
+
+        def __init__(self, number_of_states: int = 1, **kwargs):
+            cache_utils.DynamicLayer.__init__(self)
+            self._init_recurrent_states(number_of_states)
+
+    class RecurrentStateAndStaticFullAttentionLayer(
+        _IndexedRecurrentStatesBefore5_14, cache_utils.LinearAttentionCacheLayerMixin, cache_utils.StaticLayer
+    ):
+        """5.5 - 5.13: `LinearAttentionAndStaticFullAttentionLayer` as it is from 5.14 (recurrent states only)."""
+
+        _attention_layer_class = cache_utils.StaticLayer
+
+        def __init__(self, max_cache_len: int, number_of_states: int = 1, **kwargs):
+            cache_utils.StaticLayer.__init__(self, max_cache_len)
+            self._init_recurrent_states(number_of_states)
+
+        @property
+        def is_compileable(self) -> bool:
+            return not self.record_past
+
+
+HAS_GET_RECURRENT_STATE = hasattr(cache_utils.Cache, "get_recurrent_state")
+"""`Cache.get_recurrent_state(layer_idx, state_idx)` exists from 5.23 (`get_recurrent_state` serves 5.5 - 5.22)."""
+
+
+def get_recurrent_state(cache, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+    """`cache.get_recurrent_state(layer_idx, state_idx)`: the recurrent state `state_idx` of layer `layer_idx`, None
+    before its first update (and after `reset`). Before 5.23 `Cache` has no such method: this reads the layer's own
+    state with the same rule. A cache that is no transformers `Cache` (DINT's continuous-batching step) provides the
+    method itself."""
+    if HAS_GET_RECURRENT_STATE or not isinstance(cache, cache_utils.Cache):
+        return cache.get_recurrent_state(layer_idx, state_idx)
+    layer = cache.layers[layer_idx]
+    return layer.recurrent_states[state_idx] if layer.has_previous_state[state_idx] else None
+
+
 # --- assisted and prompt-lookup decoding roll a DINT cache back over the rejected tokens only where `generate()`
 # records past states and crops by a count of tokens (from 5.14). On 5.5 - 5.13 it crops to an absolute length
 # without recording, which a DINT cache layer refuses with a ValueError (its integral cannot be rolled back). ---
-GENERATE_RECORDS_PAST_FOR_CROP = _installed_release() >= (5, 14)
+GENERATE_RECORDS_PAST_FOR_CROP = installed_release() >= (5, 14)
 """Whether `generate(prompt_lookup_num_tokens=...)` / `generate(assistant_model=...)` can run a DINT model (5.14+)."""
+
+
+# --- compiled decoding on a CPU: generate() compiles the decode step of a static cache by itself on accelerators
+# only; `CompileConfig._compile_all_devices` (a private attribute, every 5.x release) extends it to every device. ---
+def compile_on_every_device(compile_config):
+    """Returns `compile_config` (a `transformers.CompileConfig`) set so that `generate()` compiles the decode step on
+    every device, the CPU included. transformers has no public switch for it (5.5 - 5.24): this sets the private
+    `_compile_all_devices`, which `tests/test_transformers_compat.py` checks on the installed release."""
+    if not hasattr(compile_config, "_compile_all_devices"):
+        raise AttributeError(
+            f"transformers {transformers.__version__} has no `CompileConfig._compile_all_devices`: update "
+            "`modeling_dint.transformers_compat.compile_on_every_device`."
+        )
+    compile_config._compile_all_devices = True
+    return compile_config
 
 
 __all__ = [
     "MINIMUM_TRANSFORMERS_VERSION",
-    "TESTED_TRANSFORMERS_VERSIONS",
+    "MINIMUM_TORCH_VERSION",
     "UnsupportedTransformersError",
+    "installed_release",
     "check_transformers_version",
-    "create_causal_mask",
+    "check_torch_version",
     "CACHE_ARGUMENT",
     "HAS_CACHE_ARGUMENT",
     "accepts_past_key_values",
+    "HAS_CAUSAL_SKIP_ARGUMENT",
+    "create_causal_mask",
     "HAS_CACHE_LAYER_REGISTRY",
-    "GENERATE_RECORDS_PAST_FOR_CROP",
     "build_dint_cache_layers",
+    "HAS_INDEXED_RECURRENT_STATES",
+    "RecurrentStateAndFullAttentionLayer",
+    "RecurrentStateAndStaticFullAttentionLayer",
+    "HAS_GET_RECURRENT_STATE",
+    "get_recurrent_state",
+    "GENERATE_RECORDS_PAST_FOR_CROP",
+    "compile_on_every_device",
 ]

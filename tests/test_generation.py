@@ -251,8 +251,17 @@ def test_static_cache_built_by_the_user():
         steps = [model(input_ids[:, t : t + 1], **with_cache(cache)).logits for t in range(6, 9)]
         full = model(input_ids).logits
         cache.reset()
-        assert cache.get_seq_length() == 0 and cache.layers[0].query_count.abs().sum() == 0
+        assert cache.get_seq_length() == 0 and cache.layers[0].query_count is None  # no state until the next update
+        state_addresses = [state.data_ptr() for state in cache.layers[0].recurrent_states.values() if state is not None]
+        assert all(state.abs().sum() == 0 for state in cache.layers[0].recurrent_states.values() if state is not None)
+        # After reset the cache serves a new prompt as a new cache would, in the same (static) state tensors
+        restarted = [model(input_ids[:, :6], **with_cache(cache)).logits]
+        restarted += [model(input_ids[:, t : t + 1], **with_cache(cache)).logits for t in range(6, 9)]
+        assert [state.data_ptr() for state in cache.layers[0].recurrent_states.values() if state is not None] == (
+            state_addresses
+        )
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(restarted, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_pipeline_and_text_streamer():

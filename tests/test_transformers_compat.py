@@ -21,7 +21,7 @@ from modeling_dint import transformers_compat as compat
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INSTALLED = compat._installed_release()
+INSTALLED = compat.installed_release()
 
 
 def changed(symbol: str, written_for: str, detail: str) -> str:
