@@ -19,7 +19,7 @@ setup(
     package_dir={"modeling_dint.presets": "configuration", "modeling_dint.conversion": "conversion"},
     package_data={"modeling_dint.presets": ["*.json"]},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6.0",
         "transformers>=5.5.0,<6",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",

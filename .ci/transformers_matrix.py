@@ -5,10 +5,8 @@
     python .ci/transformers_matrix.py --full    # every release of FULL_RELEASES; writes .ci/transformers_matrix.md
 
 A virtualenv per release lives in `$DINT_MATRIX_DIR` (default `~/.cache/dint-matrix`, outside the repository) and is
-created on first use: torch==2.13.0 (the CPU wheel) first, so that nothing pulls a CUDA build, then transformers==X,
-accelerate and pytest; pip's wheel cache makes a re-creation quick. Where the python running this script already has
-torch 2.13.0 (CI), the virtualenvs share it (`--system-site-packages`) instead of installing it again.
-The checks, per release X:
+created on first use (`venvs.py`): torch==2.13.0 (the CPU build) first, so that nothing pulls a CUDA build, then
+transformers==X, accelerate and pytest. The checks, per release X:
 
 - remote code: a checkpoint saved by the package under the newest release loads with `trust_remote_code=True`
   while `import modeling_dint` is blocked; its logits equal the reference saved with it (fp32, 1e-5), and greedy,
@@ -25,21 +23,20 @@ library only.
 """
 
 import argparse
-import importlib.metadata
 import inspect
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
+from venvs import ensure_venv, pytest_summary
+
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_RELEASES = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0", "5.24.0")
-"""The oldest supported release, releases in between, and the newest (keep in sync with TESTED_TRANSFORMERS_VERSIONS
-in modeling_dint/transformers_compat.py)."""
+"""The oldest supported release, releases in between, and the newest (the README's table lists these)."""
 FAST_RELEASES = (FULL_RELEASES[0], FULL_RELEASES[-1])
 BELOW_FLOOR_RELEASE = "4.57.6"
 TORCH_REQUIREMENT = "torch==2.13.0"
@@ -61,37 +58,10 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
-def host_has_torch() -> bool:
-    """Whether this python already has the pinned torch (as `.ci/run` installs it): the virtualenvs then see it
-    through `--system-site-packages` and install only what differs (transformers, pinned in the virtualenv, shadows
-    the host's), which saves the torch install per release."""
-    try:
-        return importlib.metadata.version("torch").split("+")[0] == TORCH_REQUIREMENT.split("==")[1]
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def ensure_venv(venv_dir: str, release: str) -> str:
-    """The python of the virtualenv for transformers `release`, created (torch first) unless it is already there."""
-    path = os.path.join(venv_dir, f"transformers-{release}")
-    python = os.path.join(path, "bin", "python")
-    marker = os.path.join(path, ".dint-matrix-ready")
-    shared_torch = host_has_torch()
+def release_venv(venv_dir: str, release: str) -> str:
+    """The python of the virtualenv for transformers `release` (created on first use)."""
     requirements = [f"transformers=={release}", "accelerate>=1.10", "pytest>=8"]
-    recipe = " ".join([sys.executable if shared_torch else TORCH_REQUIREMENT, *requirements])
-    if os.path.exists(marker) and open(marker).read() == recipe:
-        return python
-    commands = [[sys.executable, "-m", "venv", "--clear", *(["--system-site-packages"] if shared_torch else []), path]]
-    if not shared_torch:
-        commands.append([python, "-m", "pip", "install", "--quiet", TORCH_REQUIREMENT])
-    commands.append([python, "-m", "pip", "install", "--quiet", *requirements])
-    for command in commands:
-        result = run(command)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}")
-    with open(marker, "w") as file:
-        file.write(recipe)
-    return python
+    return ensure_venv(os.path.join(venv_dir, f"transformers-{release}"), TORCH_REQUIREMENT, requirements)
 
 
 def worker(python: str, mode: str, *args: str, block_package: bool = True) -> dict:
@@ -114,10 +84,8 @@ def core_tests(python: str, release: str, test_files: tuple[str, ...]) -> str:
     install = run([python, "-m", "pip", "install", "--quiet", "-e", REPO_ROOT, f"transformers=={release}"])
     if install.returncode != 0:
         return "FAIL: install: " + install.stderr.strip().splitlines()[-1]
-    result = run([python, "-m", "pytest", *test_files, "-q", "-p", "no:cacheprovider"], cwd=REPO_ROOT)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
-    summary = re.sub(r"\s+in [\d.]+s.*$", "", summary.strip("= "))
-    return summary if result.returncode == 0 else f"FAIL: {summary}"
+    summary, _, passed = pytest_summary(python, list(test_files))
+    return summary if passed else f"FAIL: {summary}"
 
 
 def cell(result: dict, check: str) -> str:
@@ -143,7 +111,7 @@ def main() -> int:
     venv_dir = os.path.expanduser(args.venv_dir)
     output = args.output or (os.path.join(REPO_ROOT, ".ci", "transformers_matrix.md") if args.full else None)
     work = tempfile.mkdtemp(prefix="dint-matrix-")
-    pythons = {release: ensure_venv(venv_dir, release) for release in (*releases, BELOW_FLOOR_RELEASE)}
+    pythons = {release: release_venv(venv_dir, release) for release in (*releases, BELOW_FLOOR_RELEASE)}
     newest = releases[-1]
     print(f"virtualenvs ready in {time.time() - started:.0f} s ({venv_dir})", flush=True)
 

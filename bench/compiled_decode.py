@@ -2,7 +2,7 @@
 """Compiled decoding, measured: DINT against DiffLlama (and Llama) compiled the same way (issue 15).
 
 Each model generates greedily with a static cache and `CompileConfig(fullgraph=True, dynamic=False)` (what generate()
-does by default on a GPU; `_compile_all_devices` asks for it on CPU too), from a left-padded batch, so that a decode
+does by default on a GPU; `compile_on_every_device` asks for it on CPU too), from a left-padded batch, so that a decode
 step that recompiled for a growing 2D mask would show. The decode time per token is the median interval between
 consecutive decoding steps of one generation (a logits processor stamps each step: the compiled forward plus
 generate()'s own work per token, the same for every model). The models run round-robin inside each repetition (the
@@ -66,8 +66,9 @@ def compiled_generate(model, input_ids, attention_mask, cache, new_tokens: int, 
     """Greedy generate() with the static `cache` (reset first) and the compiled decode step."""
     from transformers import CompileConfig, LogitsProcessorList
 
-    compile_config = CompileConfig(fullgraph=True, dynamic=False)
-    compile_config._compile_all_devices = True  # generate() compiles on accelerators only unless told
+    from modeling_dint.transformers_compat import compile_on_every_device
+
+    compile_config = compile_on_every_device(CompileConfig(fullgraph=True, dynamic=False))  # the CPU included
     cache.reset()
     with torch.no_grad():
         return model.generate(

@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 import transformers
 
-# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM, preset_names, save_dint_for_hub
+from modeling_dint.hub import REMOTE_CODE_FILES
 from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
 
@@ -381,7 +381,7 @@ def main(argv=None) -> dict:
         write_metrics(metrics, REFERENCE_RECORD)
         print(f"      reference run: metrics also written to {REFERENCE_RECORD} (quoted by the README)")
     print(f"[7/7] Done in {total_seconds:.0f} s. The model is in {output_dir.resolve()}:")
-    print("      model.safetensors, config.json (auto_map), configuration_dint.py, modeling_dint.py, cache_dint.py,")
+    print(f"      model.safetensors, config.json (auto_map), the remote code ({', '.join(REMOTE_CODE_FILES)}),")
     print("      tokenizer files, README.md (model card), training_loss.png, metrics.json")
     print()
     print("Next steps:")

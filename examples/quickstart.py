@@ -8,7 +8,6 @@ import os
 
 import torch
 
-# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

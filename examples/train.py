@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM
 from transformers import (
     AutoModelForCausalLM,

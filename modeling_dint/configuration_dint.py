@@ -202,6 +202,26 @@ class DintConfig(PreTrainedConfig):
                 f"attention map, got {self.attention_dropout!r}."
             )
 
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard this config over
+        `tp_size` processes: each rank needs whole differential heads, so `tp_size` must divide
+        `num_key_value_heads / 2`, and the plan shards no attention bias."""
+        kv_head_pairs = self.num_key_value_heads // 2
+        if kv_head_pairs % tp_size != 0:
+            allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
+            raise ValueError(
+                f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: the number of processes "
+                f"must divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads="
+                f"{self.num_key_value_heads}), so that each rank holds whole differential heads (a signal map, its "
+                f"noise map and both halves of their V). Allowed: {allowed}."
+            )
+        if self.attention_bias:
+            raise ValueError(
+                "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "
+                "q/k/v shards a bias contiguously (it would split signal and noise maps apart). Allowed: "
+                "attention_bias=False."
+            )
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DintConfig":
         """Builds the config of a preset shipped with the `modeling_dint` package (the paper's sizes and `tiny`).

@@ -8,7 +8,7 @@
 Both take (model, where, tokenizer=None, **card options), in that order.
 
 The folder (or repo) holds `model.safetensors`, `config.json` with an `auto_map`, the remote-code files
-`configuration_dint.py`, `modeling_dint.py` and `cache_dint.py`, the tokenizer files and `README.md`, so that
+(`REMOTE_CODE_FILES`), the tokenizer files and `README.md`, so that
 `AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True)` loads it where this package is not installed.
 
 A later plain `model.push_to_hub(repo_id)` keeps the card: transformers reloads the README already in the repo. To put
@@ -22,6 +22,16 @@ from huggingface_hub import HfApi, ModelCardData
 
 from .configuration_dint import DintConfig
 
+
+REMOTE_CODE_FILES = (
+    "configuration_dint.py",
+    "modeling_dint.py",
+    "cache_dint.py",
+    "integral_dint.py",
+    "transformers_compat.py",
+)
+"""The modeling code `save_pretrained` copies beside the weights: the configuration and modeling modules and the
+sibling files they import (tests/test_hub.py checks that a saved folder holds exactly these)."""
 
 DINT_PAPER_ARXIV_ID = "2501.17486"
 """arXiv id of the DINT Transformer paper (Cang et al., 2025)."""
@@ -151,7 +161,7 @@ def dint_model_card(
         "",
         "## Usage",
         "",
-        "The modeling code travels with the weights (`configuration_dint.py`, `modeling_dint.py`, `cache_dint.py`), so "
+        f"The modeling code travels with the weights ({', '.join(f'`{name}`' for name in REMOTE_CODE_FILES)}), so "
         "transformers loads the model with `trust_remote_code=True`, without the `modeling_dint` package:",
         "",
         "```python",

@@ -21,8 +21,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .configuration_dint import DintConfig
+from .configuration_dint import DINT_LAYER_TYPE, DintConfig
+from .transformers_compat import create_causal_mask
 
 
 def uses_materializing_path(config: DintConfig) -> bool:
@@ -98,6 +101,74 @@ def document_starts(
         # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
         document_start = document_start & query_valid.to(document_start.device)
     return document_start
+
+
+DINT_QUERY_VALID_KEY = "dint_query_valid"
+"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
+mask, which is keyed by the layer type."""
+
+
+def create_dint_masks(
+    config: DintConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor,
+) -> dict[str, torch.Tensor | None]:
+    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
+    (`DintForCausalLM.create_masks_for_generate`), so that a compiled decoding step receives tensors of fixed shapes
+    instead of a 2D padding mask that grows by one column per token: an `attention_mask` that holds them already is
+    returned as it is.
+
+    Args:
+        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
+        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
+        cache (`Cache`, *optional*): the cache this forward continues.
+        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
+
+    Returns:
+        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
+        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
+    """
+    if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
+        return attention_mask  # prepared by generate() for a compiled step
+    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
+    # their block-diagonal mask even when `use_cache` created a cache.
+    mask_cache = cache
+    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
+        mask_cache = None
+    materializing = uses_materializing_path(config)
+    causal_mask = create_causal_mask(
+        config=_DenseMaskConfig() if materializing else config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=mask_cache,
+        position_ids=position_ids,
+        allow_is_causal_skip=not materializing,
+    )
+    if materializing and causal_mask.dtype != torch.bool:
+        causal_mask = causal_mask == 0
+    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
+    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
+    # integral reads the caller's.
+    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
+    batch_size, query_length = inputs_embeds.shape[:2]
+    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
+    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
+
+
+def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
+    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
+
+
+class _DenseMaskConfig:
+    """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
+    The materializing path needs that mask whatever backend the model uses for its fast path."""
+
+    _attn_implementation = "sdpa"
+    is_causal = True
 
 
 @dataclass
@@ -371,7 +442,10 @@ def dint_attention_map(
 
 
 __all__ = [
+    "DINT_QUERY_VALID_KEY",
     "DintIntegralLayout",
+    "create_dint_masks",
+    "default_position_ids",
     "compose_final_attention",
     "dint_attention_map",
     "document_starts",

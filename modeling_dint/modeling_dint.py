@@ -21,7 +21,6 @@ from .transformers_compat import (  # noqa: I001
     CACHE_ARGUMENT,
     accepts_past_key_values,
     build_dint_cache_layers,
-    create_causal_mask,
     get_recurrent_state,
 )
 
@@ -30,7 +29,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -64,13 +62,15 @@ from .cache_dint import (
 )
 from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .integral_dint import (
+    DINT_QUERY_VALID_KEY,
     DintIntegralLayout,
     compose_final_attention,
+    create_dint_masks,
+    default_position_ids,
     document_starts,
     segmented_running_sum,
     uses_materializing_path,
     uses_one_pass_attention,
-    valid_query_rows,
 )
 
 
@@ -96,71 +96,6 @@ class DintRotaryEmbedding(LlamaRotaryEmbedding):
 
 class DintMLP(LlamaMLP):
     pass
-
-
-DINT_QUERY_VALID_KEY = "dint_query_valid"
-"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
-mask, which is keyed by the layer type."""
-
-
-def create_dint_masks(
-    config: DintConfig,
-    inputs_embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cache: Cache | None,
-    position_ids: torch.Tensor,
-) -> dict[str, torch.Tensor | None]:
-    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
-    (`DintForCausalLM.create_masks_for_generate`), so that a compiled decoding step receives tensors of fixed shapes
-    instead of a 2D padding mask that grows by one column per token.
-
-    Args:
-        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
-        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
-        cache (`Cache`, *optional*): the cache this forward continues.
-        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
-
-    Returns:
-        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
-        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
-    """
-    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
-    # their block-diagonal mask even when `use_cache` created a cache.
-    mask_cache = cache
-    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
-        mask_cache = None
-    materializing = uses_materializing_path(config)
-    causal_mask = create_causal_mask(
-        config=_DenseMaskConfig() if materializing else config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=mask_cache,
-        position_ids=position_ids,
-        allow_is_causal_skip=not materializing,
-    )
-    if materializing and causal_mask.dtype != torch.bool:
-        causal_mask = causal_mask == 0
-    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
-    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
-    # integral reads the caller's.
-    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
-    batch_size, query_length = inputs_embeds.shape[:2]
-    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
-    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
-
-
-def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
-    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
-
-
-class _DenseMaskConfig:
-    """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
-    The materializing path needs that mask whatever backend the model uses for its fast path."""
-
-    _attn_implementation = "sdpa"
-    is_causal = True
 
 
 def differential_head_values(value_states: torch.Tensor) -> torch.Tensor:
@@ -289,8 +224,8 @@ class DintAttention(nn.Module):
         # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
         signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
         lambda_full = self.lambda_full()
-        if self.integral == "none":
-            return torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
+        if self.integral == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
+            return signal_output - lambda_full * noise_output
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document, the sum
         # the cache carries from earlier calls included ---
@@ -356,27 +291,6 @@ DINT_AUTO_MAP = {
 """The `auto_map` that `save_pretrained` writes, so every Auto class loads a saved DINT with `trust_remote_code`."""
 
 
-def check_tensor_parallel_size(config: DintConfig, tp_size: int) -> None:
-    """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard `config` over
-    `tp_size` processes: each rank needs whole differential heads, so `tp_size` must divide
-    `num_key_value_heads / 2`, and the plan shards no attention bias."""
-    kv_head_pairs = config.num_key_value_heads // 2
-    if kv_head_pairs % tp_size != 0:
-        allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
-        raise ValueError(
-            f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: the number of processes must "
-            f"divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads={config.num_key_value_heads}), so "
-            f"that each rank holds whole differential heads (a signal map, its noise map and both halves of their V). "
-            f"Allowed: {allowed}."
-        )
-    if config.attention_bias:
-        raise ValueError(
-            "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "
-            "q/k/v shards a bias contiguously (it would split signal and noise maps apart). Allowed: "
-            "attention_bias=False."
-        )
-
-
 @auto_docstring
 class DintPreTrainedModel(PreTrainedModel):
     config: DintConfig
@@ -419,7 +333,7 @@ class DintPreTrainedModel(PreTrainedModel):
         the weights), after checking that DINT's tensor-parallel plan can shard this config."""
         tp_size = getattr(distributed_config, "tp_size", None) or 1
         if mesh_manager is not None and tp_size > 1:
-            check_tensor_parallel_size(model.config, tp_size)
+            model.config.check_tensor_parallel_size(tp_size)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -470,16 +384,14 @@ class DintModel(DintPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The cache this forward continues (K/V and the DINT integral statistics), e.g.
-            `DynamicCache(config=model.config)`. Before transformers 5.24 it is passed as `past_key_values`, which is
-            still accepted (`transformers_compat.accepts_past_key_values`).
+            The cache this forward continues (K/V and the DINT integral statistics), e.g. `DynamicCache(config=...)`;
+            `past_key_values` before transformers 5.24, still accepted (`transformers_compat.accepts_past_key_values`).
         integral_layout (`DintIntegralLayout`, *optional*):
-            Where the integral counts and restarts over this forward's query rows, where the caller has built it
-            (e.g. `DintIntegralLayout.for_packed_requests` for continuous batching); built from the inputs otherwise.
+            Where the integral counts and restarts over the query rows, where the caller has built it (e.g.
+            `DintIntegralLayout.for_packed_requests`, continuous batching); built from the inputs otherwise.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
@@ -493,17 +405,10 @@ class DintModel(DintPreTrainedModel):
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, cache)
 
-        if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
-            masks = attention_mask  # prepared by generate() (create_masks_for_generate) for a compiled step
-        else:
-            masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
-        causal_mask = masks[DINT_LAYER_TYPE]
-
+        masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
         if integral_layout is None:
             query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
-            integral_layout = self.integral_layout(
-                inputs_embeds, query_valid, given_position_ids, cache, cu_seq_lens_q
-            )
+            integral_layout = self.integral_layout(inputs_embeds, query_valid, given_position_ids, cache, cu_seq_lens_q)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -511,7 +416,7 @@ class DintModel(DintPreTrainedModel):
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=masks[DINT_LAYER_TYPE],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 use_cache=use_cache,
@@ -521,10 +426,7 @@ class DintModel(DintPreTrainedModel):
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **{CACHE_ARGUMENT: cache},
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
 
     def integral_layout(
         self,

@@ -272,6 +272,21 @@ GENERATE_RECORDS_PAST_FOR_CROP = installed_release() >= (5, 14)
 """Whether `generate(prompt_lookup_num_tokens=...)` / `generate(assistant_model=...)` can run a DINT model (5.14+)."""
 
 
+# --- tensor parallelism with the model's own plan: `from_pretrained(distributed_config=DistributedConfig(tp_plan=
+# "auto"))` from 5.17, which deprecates the direct `tp_plan="auto"` of 5.5 - 5.16; this bridge serves 5.5 - 5.16. ---
+HAS_DISTRIBUTED_CONFIG_TP_PLAN = installed_release() >= (5, 17)
+
+
+def tensor_parallel_arguments() -> dict:
+    """`from_pretrained`'s keyword arguments that shard a model with its own tensor-parallel plan (under `torchrun`):
+    `distributed_config=DistributedConfig(tp_plan="auto")` from 5.17, `tp_plan="auto"` before."""
+    if HAS_DISTRIBUTED_CONFIG_TP_PLAN:
+        from transformers.distributed import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    return {"tp_plan": "auto"}
+
+
 # --- compiled decoding on a CPU: generate() compiles the decode step of a static cache by itself on accelerators
 # only; `CompileConfig._compile_all_devices` (a private attribute, every 5.x release) extends it to every device. ---
 def compile_on_every_device(compile_config):
@@ -307,5 +322,7 @@ __all__ = [
     "HAS_GET_RECURRENT_STATE",
     "get_recurrent_state",
     "GENERATE_RECORDS_PAST_FOR_CROP",
+    "HAS_DISTRIBUTED_CONFIG_TP_PLAN",
+    "tensor_parallel_arguments",
     "compile_on_every_device",
 ]

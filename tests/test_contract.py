@@ -15,6 +15,7 @@ from modeling_dint import (
     DintForTokenClassification,
     DintModel,
 )
+from modeling_dint.transformers_compat import compile_on_every_device
 
 
 MODEL_CLASSES = [DintModel, DintForCausalLM, DintForSequenceClassification, DintForTokenClassification,
@@ -35,8 +36,7 @@ def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral
     attention_mask[1, -3] = 0  # and a pad inside a row
     generate_kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
     expected = model.generate(input_ids, cache_implementation="static", **generate_kwargs)
-    compile_config = CompileConfig(fullgraph=True, dynamic=False)
-    compile_config._compile_all_devices = True  # generate() auto-compiles on accelerators only unless told
+    compile_config = compile_on_every_device(CompileConfig(fullgraph=True, dynamic=False))  # the CPU included
     torch._dynamo.utils.counters.clear()
     # torch's own patch restores the setting on exit (pytest's monkeypatch deletes it since pytest 9.2: torch keeps its
     # config values outside the module's __dict__)

@@ -13,7 +13,8 @@ import torch
 from dint_testing import cache_of, tiny_model
 from transformers import AutoTokenizer, CompileConfig, GenerationConfig
 
-from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint import DintConfig, DintForCausalLM, integral_state_buffers
+from modeling_dint.transformers_compat import compile_on_every_device
 
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data")
@@ -168,7 +169,7 @@ def test_offloaded_cache_keeps_the_integral_exact(attn_implementation, integral)
 
 
 def load_int8_weight_only(checkpoint):
-    pytest.importorskip("torchao")
+    pytest.importorskip("torchao", reason="torchao is the `quantization` extra: pip install -e '.[quantization]'")
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
@@ -280,8 +281,7 @@ def test_compiled_static_cache_decode_equals_eager():
     model = tiny_model()
     input_ids = torch.randint(2, 128, (1, 10))
     expected, expected_logits = greedy_reference(model, input_ids)
-    compile_config = CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True  # generate() auto-compiles only on accelerators unless told
+    compile_config = compile_on_every_device(CompileConfig(fullgraph=True, mode="default"))  # the CPU included
     output = model.generate(
         input_ids,
         max_new_tokens=NEW_TOKENS,
@@ -307,11 +307,8 @@ def exportable_decoder(model, max_cache_len):
     )
     exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
     static_cache_module = exportable.model
-    config = model.config
-    for layer_idx, layer in enumerate(static_cache_module.static_cache.layers):
-        layer._set_state(torch.zeros(1), torch.zeros(1, config.num_attention_heads // 2, 2 * config.head_dim), None)
-        static_cache_module.register_buffer(f"dint_query_count_{layer_idx}", layer.query_count, persistent=False)
-        static_cache_module.register_buffer(f"dint_signal_sum_{layer_idx}", layer.signal_sum, persistent=False)
+    for name, buffer in integral_state_buffers(static_cache_module.static_cache, model.config).items():
+        static_cache_module.register_buffer(name, buffer, persistent=False)
     return exportable
 
 

@@ -14,12 +14,12 @@ import yaml
 
 from dint_testing import tiny_model
 from hub_server import HubServer, run_client
-from modeling_dint import DintConfig, dint_model_card, save_dint_for_hub
+from modeling_dint import DintConfig, dint_model_card, hub, save_dint_for_hub
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
-REMOTE_CODE_FILES = {"configuration_dint.py", "modeling_dint.py", "cache_dint.py"}
+REMOTE_CODE_FILES = set(hub.REMOTE_CODE_FILES)
 
 
 def front_matter(readme: str) -> dict:
@@ -67,7 +67,7 @@ def test_save_dint_for_hub_writes_a_loadable_folder(tmp_path):
     save_dint_for_hub(model, tmp_path, tokenizer=tokenizer)
     files = set(os.listdir(tmp_path))
     assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
-    assert REMOTE_CODE_FILES <= files
+    assert {name for name in files if name.endswith(".py")} == REMOTE_CODE_FILES  # what travels, and nothing else
     assert front_matter((tmp_path / "README.md").read_text())["dint"]["num_parameters"] == model.num_parameters()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     reference = model.state_dict()
@@ -167,7 +167,7 @@ def test_push_to_hub_and_trust_remote_code_load_with_revision_pinning(tmp_path):
     for sha in (pushed["first"], pushed["second"]):
         files = repo.resolve_revision(sha).files
         assert {"model.safetensors", "config.json", "README.md", "generation_config.json"} <= set(files)
-        assert REMOTE_CODE_FILES <= set(files)
+        assert {name for name in files if name.endswith(".py")} == REMOTE_CODE_FILES
         config = json.loads(repo.blobs[files["config.json"]])
         assert config["model_type"] == "dint"
         assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dint.DintForCausalLM"

@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from modeling_dint.hub import REMOTE_CODE_FILES
+
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE_RECORD = os.path.join(REPO_ROOT, "examples", "main_job_results", "metrics.json")
@@ -54,8 +56,8 @@ def test_main_job_quick(tmp_path):
 
     files = set(os.listdir(output_dir))
     assert {
-        "model.safetensors", "config.json", "generation_config.json", "configuration_dint.py", "modeling_dint.py",
-        "cache_dint.py", "tokenizer.json", "tokenizer_config.json", "README.md", "training_loss.png", "metrics.json",
+        "model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "README.md", "training_loss.png", "metrics.json", *REMOTE_CODE_FILES,
     } <= files
     assert not [name for name in files if (output_dir / name).is_dir()], "only the model's files belong in the folder"
     assert (output_dir / "training_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

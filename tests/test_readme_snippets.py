@@ -10,10 +10,14 @@ why in an HTML comment on the line right before it, which this test reads:
     <!-- snippet: torchrun 2 -->        a script for `torchrun --nproc_per_node 2 script.py`: the slow suite saves it
                                         to a file and runs it that way, after the blocks before it
     <!-- snippet: skip REASON -->       never runs here (e.g. it uploads to the Hub); the reason is shown in the skip
+    <!-- snippet: needs MODULE -->      needs a package of an optional extra (e.g. torchao, the `quantization` extra):
+                                        runs with the default blocks where MODULE is installed (CI installs the extra
+                                        and runs this test again), and is listed as not run elsewhere
 
 A block without a comment runs in the default suite. An unknown kind fails the test, so a typo cannot hide a block.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -29,7 +33,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "examples").glob("*.md"))]
 MARKER = re.compile(r"^<!--\s*snippet:\s*(?P<kind>\S+)\s*(?P<detail>.*?)\s*-->\s*$")
-KINDS = ("default", "slow", "gpu", "torchrun", "skip")
+KINDS = ("default", "slow", "gpu", "torchrun", "skip", "needs")
 MODES = {
     "default": {"default"},
     "slow": {"default", "slow", "torchrun"},
@@ -44,11 +48,16 @@ class Snippet:
     line: int  # 1-based line of the opening ```python
     code: str
     kind: str  # one of KINDS
-    detail: str  # the skip reason, or the process count for torchrun
+    detail: str  # the skip reason, the process count for torchrun, or the module a `needs` block imports
 
     @property
     def label(self) -> str:
         return f"{self.document}:{self.line}"
+
+    def runs_in(self, mode: str) -> bool:
+        if self.kind == "needs":
+            return "default" in MODES[mode] and importlib.util.find_spec(self.detail) is not None
+        return self.kind in MODES[mode]
 
 
 def python_snippets(path: Path) -> list[Snippet]:
@@ -116,8 +125,8 @@ def test_every_marker_is_known_and_every_document_has_runnable_blocks():
             marker = MARKER.match(line.strip())
             if marker:
                 assert marker["kind"] in KINDS, f"{path.name}: unknown snippet kind {marker['kind']!r} in {line!r}"
-                if marker["kind"] == "skip":
-                    assert marker["detail"], f"{path.name}: a skipped snippet says why: {line!r}"
+                if marker["kind"] in ("skip", "needs"):
+                    assert marker["detail"], f"{path.name}: a {marker['kind']} snippet says what: {line!r}"
         snippets = python_snippets(path)
         assert text.count("```python") == len(snippets)
         # a marker stands right before its block: one anywhere else would silently mark nothing
@@ -146,7 +155,7 @@ def snippet_cases():
 @pytest.mark.parametrize("path, mode", list(snippet_cases()))
 def test_python_blocks_run_as_written(path, mode, tmp_path):
     snippets = python_snippets(path)
-    selected = [s for s in snippets if s.kind in MODES[mode]]
+    selected = [s for s in snippets if s.runs_in(mode)]
     result = run_snippets(selected, tmp_path)
     output = result.stdout + "\n" + result.stderr
     failed = re.search(r"SNIPPET FAILED: (\S+)", result.stdout)
@@ -154,7 +163,7 @@ def test_python_blocks_run_as_written(path, mode, tmp_path):
         f"{failed[1] if failed else 'the snippet runner'} failed ({mode} mode):\n{output[-8000:]}"
     )
     assert result.stdout.count("=== ok in") == len(selected)
-    not_run = [f"{s.label} ({s.kind} {s.detail})".strip() for s in snippets if s.kind not in MODES[mode]]
+    not_run = [f"{s.label} ({s.kind} {s.detail})".strip() for s in snippets if not s.runs_in(mode)]
     if not_run:
         print(f"{mode} mode did not run: {not_run}")
 

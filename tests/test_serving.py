@@ -10,17 +10,18 @@ import transformers
 from packaging.version import Version
 
 
-# Serving is integrated for transformers 5.23 (modeling_dint/serving.py): older releases skip these tests; a newer one
+# Serving is integrated for transformers 5.24 (modeling_dint/serving.py): older releases skip these tests; a newer one
 # runs them, and test_transformers_internals_are_those_serving_was_written_for fails until the module is ported.
-if Version(transformers.__version__) < Version("5.23"):
+if Version(transformers.__version__) < Version("5.24"):
     pytest.skip(
-        f"continuous batching is integrated for transformers >= 5.23 (installed: {transformers.__version__})",
+        f"continuous batching is integrated for transformers >= 5.24 (installed: {transformers.__version__})",
         allow_module_level=True,
     )
 
 from dint_testing import tiny_model  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as continuous_batching_cache  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
     FULL_ATTENTION,
     FullAttentionCacheAllocator,
@@ -99,7 +100,7 @@ def test_generate_batch_without_carry_differs():
 
     def init_without_carry(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        self.carry_rows = None
+        self.carry_blocks = None
 
     serving.DintPagedStep.__init__ = init_without_carry
     try:
@@ -163,23 +164,36 @@ def test_parallel_samples_fork_the_integral_state():
         assert_logprobs_match_full_forward(model, output.prompt_ids, output.generated_tokens, output.logprobs)
 
 
-def test_softmax_integral_refuses_continuous_batching_clearly():
+def test_softmax_integral_refuses_continuous_batching_before_any_request():
+    """Refused when continuous batching starts for the model, naming the setting and what to do, not at the first
+    request."""
     model = serving_model("softmax")
-    outputs = model.generate_batch(random_prompts(lengths=(4,)), generation_config=greedy_config(), continuous_batching_config=small_cache())
-    assert "integral='softmax'" in next(iter(outputs.values())).error
+    with pytest.raises(ValueError, match="integral='softmax'.*without continuous batching"):
+        model.init_continuous_batching(generation_config=greedy_config(), continuous_batching_config=small_cache())
+    with pytest.raises(ValueError, match="integral='softmax'"):
+        model.generate_batch(random_prompts(lengths=(4,)), generation_config=greedy_config(), continuous_batching_config=small_cache())
 
 
 def test_transformers_internals_are_those_serving_was_written_for():
     """Fails loudly when transformers changes what modeling_dint/serving.py relies on: then re-read the internals
     listed in `serving.TRANSFORMERS_INTERNALS` and port the module."""
-    assert ".".join(transformers.__version__.split(".")[:2]) in serving.WRITTEN_FOR_TRANSFORMERS, (
+    assert Version(transformers.__version__).release[:2] in serving.WRITTEN_FOR_TRANSFORMERS, (
         f"serving.py was written for transformers {serving.WRITTEN_FOR_TRANSFORMERS}; {transformers.__version__} is "
         "installed: check every entry of serving.TRANSFORMERS_INTERNALS, then add the release to WRITTEN_FOR_TRANSFORMERS."
     )
-    assert serving.PAGED_BACKENDS_WRITE_THE_CACHE == (serving.installed_release() == "5.23")
+    # transformers builds the manager and the paged cache by these module names, for which DINT's subclasses stand in
+    # while it builds them (then the names are transformers' own again)
+    assert "ContinuousBatchingManager(" in inspect.getsource(continuous_api.ContinuousMixin.init_continuous_batching)
+    assert "PagedAttentionCache(" in inspect.getsource(continuous_api.ContinuousBatchingManager._create_batch_processor)
+    model = serving_model("mean")
+    manager = model.init_continuous_batching(generation_config=greedy_config(), continuous_batching_config=small_cache())
+    assert type(manager) is serving.DintContinuousBatchingManager
+    assert continuous_api.ContinuousBatchingManager is not serving.DintContinuousBatchingManager
+    assert continuous_api.PagedAttentionCache is continuous_batching_cache.PagedAttentionCache
     assert continuous_batching_cache.ATTN_TYPE_TO_ALLOCATOR["dint_attention"] is serving.DintPagedCacheAllocator
-    assert continuous_batching_cache.PagedAttentionCache.__init__ is serving._init_paged_cache_with_dint
-    assert list(inspect.signature(serving._original_paged_cache_init).parameters)[:3] == ["self", "config", "continuous_batching_config"]
+    assert list(inspect.signature(continuous_batching_cache.PagedAttentionCache.__init__).parameters)[:3] == [
+        "self", "config", "continuous_batching_config"
+    ]
     assert list(inspect.signature(continuous_batching_cache.PagedAttentionCache.update).parameters) == [
         "self", "key_states", "value_states", "layer_idx", "kwargs"
     ]

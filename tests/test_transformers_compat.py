@@ -78,7 +78,7 @@ def test_create_causal_mask_bridge_matches_transformers(padded):
 
 def _sdpa_mask_config():
     """What create_causal_mask reads of a config, asking for sdpa's boolean mask (as DINT's materializing path)."""
-    from modeling_dint.modeling_dint import _DenseMaskConfig
+    from modeling_dint.integral_dint import _DenseMaskConfig
 
     return _DenseMaskConfig()
 
@@ -149,3 +149,63 @@ def test_the_cache_keyword_is_the_installed_releases():
         if not compat.HAS_CACHE_ARGUMENT:  # (from 5.24 transformers' deprecate_kwarg keeps `cache` and warns)
             with pytest.raises(ValueError, match="not both"):
                 model.model(input_ids, past_key_values=cache, cache=transformers.DynamicCache(config=model.config))
+
+
+def test_below_the_torch_floor_fails_with_one_clear_error():
+    for installed in ("2.4.1", "2.5.1+cpu"):
+        with pytest.raises(compat.UnsupportedTransformersError) as error:
+            compat.check_torch_version(installed)
+        message = str(error.value)
+        assert f"torch {installed} is installed" in message and f">= {compat.MINIMUM_TORCH_VERSION}" in message
+    compat.check_torch_version(compat.MINIMUM_TORCH_VERSION)
+    compat.check_torch_version(torch.__version__)
+    with open(os.path.join(REPO_ROOT, "setup.py"), encoding="utf-8") as file:
+        requirement = re.search(r'"torch>=([\d.]+)"', file.read())
+    assert requirement is not None and requirement.group(1) == compat.MINIMUM_TORCH_VERSION
+
+
+def test_recurrent_state_layers_are_the_installed_releases():
+    """The DINT cache layers are transformers' recurrent-state layers: from 5.14 its own classes, with several states
+    per layer (`number_of_states`, `state_idx`); the bridge gives 5.5 - 5.13 the same layout."""
+    if INSTALLED >= (5, 14):
+        assert compat.HAS_INDEXED_RECURRENT_STATES, changed(
+            "transformers.cache_utils.LinearAttentionCacheLayerMixin.__init__(number_of_states)",
+            "5.14 - 5.24",
+            "a linear-attention layer no longer keeps several recurrent states",
+        )
+        assert compat.RecurrentStateAndFullAttentionLayer is cache_utils.LinearAttentionAndFullAttentionLayer
+        assert compat.RecurrentStateAndStaticFullAttentionLayer is cache_utils.LinearAttentionAndStaticFullAttentionLayer
+        parameters = list(inspect.signature(cache_utils.Cache.update_recurrent_state).parameters)
+        assert parameters[:4] == ["self", "recurrent_states", "layer_idx", "state_idx"], changed(
+            "transformers.cache_utils.Cache.update_recurrent_state", "5.14 - 5.24", f"its parameters are {parameters}"
+        )
+    assert issubclass(DintDynamicLayer, cache_utils.LinearAttentionCacheLayerMixin)
+    assert issubclass(DintStaticLayer, cache_utils.LinearAttentionCacheLayerMixin)
+    assert compat.HAS_GET_RECURRENT_STATE == (INSTALLED >= (5, 23))
+    model = tiny_model()
+    with torch.no_grad():
+        cache = cache_of(model(torch.randint(2, 128, (2, 5)), use_cache=True))
+    for layer_idx, layer in enumerate(cache.layers):
+        for state_idx, state in enumerate(layer.integral_state()):
+            bridged = compat.get_recurrent_state(cache, layer_idx, state_idx)
+            assert bridged is state or (bridged is None and state is None)
+            if compat.HAS_GET_RECURRENT_STATE:
+                native = cache.get_recurrent_state(layer_idx, state_idx)
+                assert native is state or (native is None and state is None), changed(
+                    "transformers.cache_utils.Cache.get_recurrent_state", "5.23 - 5.24",
+                    "it no longer returns a layer's state (None before its first update)",
+                )
+
+
+def test_compile_on_every_device_is_what_generate_reads():
+    """`compile_on_every_device` sets `CompileConfig._compile_all_devices`, a private attribute that generate()'s
+    compile criteria read: both must still be there."""
+    from transformers import CompileConfig
+    from transformers.generation.utils import GenerationMixin
+
+    compile_config = compat.compile_on_every_device(CompileConfig(fullgraph=True))
+    assert compile_config._compile_all_devices is True
+    assert "_compile_all_devices" in inspect.getsource(GenerationMixin._valid_auto_compile_criteria), changed(
+        "transformers.generation.utils.GenerationMixin._valid_auto_compile_criteria", "5.5 - 5.24",
+        "it no longer reads CompileConfig._compile_all_devices",
+    )

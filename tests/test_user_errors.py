@@ -2,6 +2,7 @@
 states its rule before it shards anything, the Hub helpers take their arguments in the same order, and importing
 the package prints nothing."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -76,6 +77,11 @@ def test_push_dint_to_hub_refuses_the_old_argument_order_before_any_network_call
         push_dint_to_hub(model, object(), "my-name/dint-tiny")
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is not None,
+    reason="torchao (the `quantization` extra) is installed: transformers imports it with every model class, and "
+    "torchao logs its own import lines; the default install has no torchao",
+)
 @pytest.mark.parametrize(
     "command",
     [
@@ -89,3 +95,42 @@ def test_import_and_cli_help_print_no_warnings(command):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr == ""
     assert "Failed to load" not in result.stdout and "Enum subclass" not in result.stdout
+
+
+SIDE_EFFECTS = """
+import json, logging
+from transformers import cache_utils
+from transformers.generation.continuous_batching import cache, continuous_api
+
+def snapshot():
+    return {
+        "PagedAttentionCache.__init__": repr(cache.PagedAttentionCache.__init__),
+        "continuous_api names": [repr(continuous_api.PagedAttentionCache), repr(continuous_api.ContinuousBatchingManager)],
+        "cache allocators": sorted(cache.ATTN_TYPE_TO_ALLOCATOR),
+        "logger filters": {name: [repr(f) for f in logging.getLogger(name).filters]
+                           for name in ("", "torch", "torchao", "torch.utils._pytree", "transformers")},
+        "logger levels": {name: logging.getLogger(name).level for name in ("", "torch", "torchao", "transformers")},
+        "cache layer types": sorted(cache_utils.DYNAMIC_LAYER_TYPE_MAPPING),
+    }
+
+before = snapshot()
+import modeling_dint, torch
+from modeling_dint import DintConfig, DintForCausalLM
+model = DintForCausalLM(DintConfig.from_preset("tiny", vocab_size=64, bos_token_id=None, eos_token_id=None)).eval()
+model.generate(torch.randint(0, 64, (1, 4)), max_new_tokens=2, do_sample=False)
+after = snapshot()
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_importing_the_package_changes_nothing_but_the_registrations():
+    """`import modeling_dint` (and a generate()) registers DINT with the Auto classes and its cache-layer type, and
+    changes nothing else of transformers or torch: no continuous-batching class is replaced, no logger filtered."""
+    pytest.importorskip("transformers.generation.continuous_batching.cache")
+    result = subprocess.run([sys.executable, "-c", SIDE_EFFECTS], capture_output=True, text=True, timeout=300,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    snapshots = json.loads(result.stdout.strip().splitlines()[-1])
+    before, after = snapshots["before"], snapshots["after"]
+    assert after.pop("cache layer types") == sorted([*before.pop("cache layer types"), "dint_attention"])
+    assert after == before

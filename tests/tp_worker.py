@@ -1,7 +1,7 @@
 """Tensor-parallel worker, launched by tests/test_tensor_parallel.py as
 `torchrun --nproc_per_node N tests/tp_worker.py CHECKPOINT INPUTS OUTPUT PLAN`.
 
-Loads the DINT checkpoint with `tp_plan="auto"` (gloo on CPU), with `PLAN` ("dint" or "llama") as the config's
+Loads the DINT checkpoint with its own tensor-parallel plan (`DistributedConfig(tp_plan="auto")`, gloo on CPU), with `PLAN` ("dint" or "llama") as the config's
 `base_model_tp_plan`, runs one forward and a short greedy generation, and rank 0 saves the logits and tokens.
 """
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint.transformers_compat import tensor_parallel_arguments
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ def main():
     torch.set_num_threads(1)
     # What the proposed patch sets on the class (see tests/tp_plan.py); "llama" shows why Llama's plan is wrong.
     DintConfig.base_model_tp_plan = DINT_TP_PLAN if plan_name == "dint" else LLAMA_TP_PLAN
-    model = DintForCausalLM.from_pretrained(checkpoint, tp_plan="auto", dtype=torch.float32).eval()
+    model = DintForCausalLM.from_pretrained(checkpoint, **tensor_parallel_arguments(), dtype=torch.float32).eval()
     inputs = torch.load(inputs_path)
     q_proj = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():

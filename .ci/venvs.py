@@ -1,0 +1,73 @@
+"""Virtualenvs for the CI matrices (`transformers_matrix.py`, `torch_matrix.py`): one per combination of releases,
+created on first use in a cache folder outside the repository and reused while its recipe is unchanged; pip's wheel
+cache makes a re-creation quick. Standard library only (the orchestrating side runs on any python).
+
+torch is installed first and pinned, so that nothing below it pulls another build: from PyTorch's CPU index where
+it is reachable (`torch==X` then resolves to the CPU build `X+cpu`), else from the pip configuration (a mirror,
+find-links) or PyPI, whose Linux wheels are CUDA builds that run on a CPU too (several GB with their CUDA libraries).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# An unreachable index costs seconds instead of a minute of retries.
+PIP_INSTALL = ["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--retries", "1", "--timeout", "20"]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+def ensure_venv(path: str, torch_requirement: str, requirements: list[str]) -> str:
+    """The python of the virtualenv at `path` with `torch_requirement` (e.g. `torch==2.13.0`) and `requirements`,
+    created unless it is already there with the same recipe. Raises with pip's output when an install fails."""
+    python = os.path.join(path, "bin", "python")
+    marker = os.path.join(path, ".dint-matrix-ready")
+    recipe = " ".join([torch_requirement, *requirements])
+    if os.path.exists(marker) and open(marker).read() == recipe:
+        return python
+    commands = [
+        [sys.executable, "-m", "venv", "--clear", path],
+        [python, *PIP_INSTALL, "--extra-index-url", TORCH_CPU_INDEX, torch_requirement],
+        [python, *PIP_INSTALL, *requirements],
+    ]
+    for command in commands:
+        result = run(command)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    with open(marker, "w") as file:
+        file.write(recipe)
+    return python
+
+
+def newest_torch() -> str:
+    """The newest torch release pip installs here (its configuration's constraints included), e.g. "2.14.1"."""
+    result = run([sys.executable, *PIP_INSTALL, "--dry-run", "--no-deps", "--ignore-installed", "--report", "-",
+                  "--extra-index-url", TORCH_CPU_INDEX, "torch"])
+    if result.returncode != 0:
+        raise RuntimeError(f"pip could not resolve torch:\n{result.stderr[-3000:]}")
+    import json
+
+    report = json.loads(result.stdout)
+    return report["install"][0]["metadata"]["version"].split("+")[0]
+
+
+def pytest_summary(python: str, test_args: list[str]) -> tuple[str, float, bool]:
+    """Runs pytest with `test_args` in the repository; returns its summary line ('188 passed, 4 skipped'), the
+    seconds it took and whether it passed."""
+    started = time.time()
+    result = run([python, "-m", "pytest", *test_args, "-q", "-p", "no:cacheprovider"], cwd=REPO_ROOT)
+    seconds = time.time() - started
+    lines = result.stdout.strip().splitlines()
+    summary = lines[-1] if lines else result.stderr[-500:]
+    summary = re.sub(r"\s+in [\d.]+s.*$", "", summary.strip("= "))
+    if result.returncode != 0:
+        failures = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        print("\n".join(failures[:30]) or result.stdout[-3000:] + result.stderr[-3000:], flush=True)
+    return summary, seconds, result.returncode == 0
