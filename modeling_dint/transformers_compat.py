@@ -287,6 +287,26 @@ def tensor_parallel_arguments() -> dict:
     return {"tp_plan": "auto"}
 
 
+# --- activation checkpointing: named so from 5.23 (`activation_checkpointing_enable`, TrainingArguments'
+# `activation_checkpointing`), where `gradient_checkpointing` is a deprecated alias; this bridge serves 5.5 - 5.22. ---
+def activation_checkpointing_arguments() -> dict:
+    """`TrainingArguments`' switch for activation checkpointing under the installed release's name."""
+    from transformers import TrainingArguments
+
+    if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters:
+        return {"activation_checkpointing": True}
+    return {"gradient_checkpointing": True}
+
+
+def enable_activation_checkpointing(model, **checkpointing_kwargs) -> None:
+    """Non-reentrant activation checkpointing of `model` under the installed release's name."""
+    kwargs = {"use_reentrant": False, **checkpointing_kwargs}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 # --- compiled decoding on a CPU: generate() compiles the decode step of a static cache by itself on accelerators
 # only; `CompileConfig._compile_all_devices` (a private attribute, every 5.x release) extends it to every device. ---
 def compile_on_every_device(compile_config):
@@ -324,5 +344,7 @@ __all__ = [
     "GENERATE_RECORDS_PAST_FOR_CROP",
     "HAS_DISTRIBUTED_CONFIG_TP_PLAN",
     "tensor_parallel_arguments",
+    "activation_checkpointing_arguments",
+    "enable_activation_checkpointing",
     "compile_on_every_device",
 ]

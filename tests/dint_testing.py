@@ -1,7 +1,5 @@
 """Helpers the tests share: tiny configs and models, built here (nothing is downloaded)."""
 
-import inspect
-
 import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
@@ -63,22 +61,3 @@ def left_padded_batch(vocab_size: int = 128, lengths=(9, 5), pad_token_id: int =
         input_ids[row, width - length :] = torch.randint(2, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
-
-
-def checkpointing_argument() -> dict:
-    """`TrainingArguments`' switch for activation checkpointing under the installed release's name:
-    `activation_checkpointing` from 5.23, `gradient_checkpointing` (its deprecated alias there) before."""
-    from transformers import TrainingArguments
-
-    if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters:
-        return {"activation_checkpointing": True}
-    return {"gradient_checkpointing": True}
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing under transformers' name of the installed release:
-    `activation_checkpointing_enable` from 5.23, `gradient_checkpointing_enable` (its deprecated alias there) before."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

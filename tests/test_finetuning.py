@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from dint_testing import checkpointing_argument
 from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
 from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint.transformers_compat import activation_checkpointing_arguments
 
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data")
@@ -128,7 +128,7 @@ def test_one_backward_reaches_every_parameter(corpus_blocks, attn_implementation
 def test_trainer_with_gradient_checkpointing(tmp_path, corpus_blocks):
     tokenizer, train, heldout = corpus_blocks
     model = _tiny_lm(tokenizer)
-    _, loss_before, loss_after, _ = _train(tmp_path, model, train, heldout, max_steps=20, **checkpointing_argument())
+    _, loss_before, loss_after, _ = _train(tmp_path, model, train, heldout, max_steps=20, **activation_checkpointing_arguments())
     assert model.model.gradient_checkpointing
     assert loss_after < loss_before - 1.0, (loss_before, loss_after)
 

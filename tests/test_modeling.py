@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from dint_testing import enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model
+from dint_testing import left_padded_batch, tiny_config, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -28,6 +28,7 @@ from modeling_dint import (
     DintModel,
 )
 from modeling_dint.configuration_dint import depth_lambda_init
+from modeling_dint.transformers_compat import enable_activation_checkpointing
 
 
 @pytest.mark.parametrize(
@@ -48,6 +49,22 @@ def test_invalid_config_raises_named_error(overrides, message):
     # transformers' strict configs wrap the validator's ValueError (as for LlamaConfig); the message is ours.
     with pytest.raises(StrictDataclassClassValidationError, match=message):
         tiny_config(**overrides)
+
+
+def test_a_bad_rope_parameter_is_warned_about_once_as_for_diffllama():
+    """transformers' `test_model_loading_old_rope_configs`: building the config warns about a bad rope factor once;
+    building the model from it warns no more (the model validates DINT's own fields only, not transformers' again)."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as transformers_logging
+
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, rope_parameters={"rope_type": "linear", "factor": -1.0, "rope_theta": 1e4})
+    logger = transformers_logging.get_logger("transformers.modeling_rope_utils")
+    for config_class, model_class in ((DiffLlamaConfig, DiffLlamaForCausalLM), (DintConfig, DintForCausalLM)):
+        with CaptureLogger(logger) as captured:
+            model_class(config_class(**fields))
+        assert captured.out.count("factor field must be") == 1, (model_class.__name__, captured.out)
 
 
 def test_config_defaults_and_schedule(tmp_path):
