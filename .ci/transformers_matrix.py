@@ -20,6 +20,12 @@ transformers==X, accelerate and pytest. The checks, per release X:
 
 This file is also the worker the virtualenvs run (`--worker ...`): the orchestrating side imports the standard
 library only.
+
+Why not nox: its sessions (one virtualenv each, parametrized by release, reused with `-r`) would replace only the
+virtualenv management (`venvs.py`, ~50 lines shared with `torch_matrix.py`). The matrix chains results across
+virtualenvs (a reference saved under the newest release, loaded under each, saved again and loaded under the newest)
+into one table: as nox sessions that is files passed between sessions ordered by `requires=`, a table session that
+reads them, and nox itself to install before CI can run anything; not shorter, and the chain is less visible.
 """
 
 import argparse
