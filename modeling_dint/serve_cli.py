@@ -75,37 +75,6 @@ def install_serving_model_manager() -> None:
     model_manager.ModelManager = ServedModelManager
 
 
-def start_dint_serve(model: str, *flags: str, host: str = "127.0.0.1", port: int | None = None, timeout: float = 180.0,
-                     env: dict | None = None):
-    """Starts `dint-serve MODEL FLAGS...` in a subprocess (on a free port by default) and waits until `/health`
-    answers. Returns the process (stdout and stderr piped together) and the server's base URL. For tests and
-    benchmarks; stop it with `process.terminate()`."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    if port is None:
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "modeling_dint.serve_cli", model, "--host", host, "--port", str(port), *flags]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base_url = f"http://{host}:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"dint-serve exited with {process.returncode}:\n{process.stdout.read()}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2):
-                return process, base_url
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"dint-serve did not answer within {timeout} s")
-
-
 def main(argv: list[str] | None = None) -> None:
     """The `dint-serve` console script: `transformers serve` with DINT registered and Auto-class loading."""
     try:
