@@ -127,7 +127,7 @@ def check_source_matches_config(source: CheckpointReader, source_config, config_
     num_layers = source_config.num_hidden_layers
     layers = sorted({int(found[1]) for name in source.keys() if (found := LAYER_NAME.match(name))})
     if len(layers) != num_layers or (layers and layers[-1] != num_layers - 1):  # sorted, distinct, >= 0: 0..L-1
-        held = f"layers {layers[0]} to {layers[-1]} ({len(layers)} layers)" if layers else "no 'model.layers.N.' tensors"
+        held = f"layers {layers[0]} to {layers[-1]} ({len(layers)} layers)" if layers else "no layer tensors"
         raise ValueError(
             f"{str(config_file)!r} says num_hidden_layers={num_layers}, but the checkpoint {str(source.path)!r} holds "
             f"{held}: the config does not match its weights."
@@ -202,8 +202,8 @@ def plan_conversion(
     try:
         return PLANNERS[source_format](source, source_config, options)
     except StrictDataclassError as error:  # the converted config's validator, wrapped over several lines
-        reason = error.__cause__ or error
-        raise ValueError(f"Invalid converted config for {str(source_dir)!r}: {' '.join(str(reason).split())}") from error
+        reason = " ".join(str(error.__cause__ or error).split())
+        raise ValueError(f"Invalid converted config for {str(source_dir)!r}: {reason}") from error
 
 
 def convert_checkpoint(

@@ -14,12 +14,16 @@ The app, its handlers and its flags are transformers' (`dint-serve --help`). Imp
    `/v1/models` lists the model the server was started with.
 2. Start-up: `--continuous-batching` on a DINT checkpoint with `integral="softmax"` is refused before the server
    starts (`continuous_batching_refusal`).
-3. Request limits (listed in `DINT_SERVE_HELP`, `dint-serve --help`): a request that the model or the server cannot complete gets a 400 that names
-   the limit, before it reaches generation, and the server keeps serving. Without them, an empty prompt or a prompt
-   larger than the whole paged cache kills transformers' continuous-batching worker for good (every later request
-   503), `max_tokens` 0 gives a 500, a prompt longer than the model's context is accepted with a warning, and a huge
-   `max_tokens` keeps a non-streaming generation going after its client has left. They apply to every model the
-   server loads, DINT or not.
+3. Request limits (listed in `DINT_SERVE_HELP`, `dint-serve --help`): a request that the model or the server cannot
+   complete gets a 400 that names the limit, before it reaches generation, and the server keeps serving; a
+   completion stops where the model's context (or the paged cache) ends. Without them, an empty prompt, a prompt
+   larger than the whole paged cache or an unbounded `max_tokens` kills transformers' continuous-batching worker for
+   good (every later request 503), `max_tokens` 0 gives a 500, a prompt longer than the model's context is accepted
+   with a warning, and a huge `max_tokens` keeps a non-streaming generation going after its client has left. They
+   apply to every model the server loads, DINT or not.
+
+The transformers internals touched (each install function names its own and fails loudly when they change) were read
+in transformers 5.23 and 5.24; `tests/test_serve_cli.py` and `tests/test_serve_limits.py` run the real server.
 
 The upstream changes that make this module unnecessary, in `transformers/cli/serving/`:
 - `model_manager.py`, `ModelManager._load_model`:
@@ -221,7 +225,10 @@ def limit_generation(prompt_length: int, generation_config, model, paged_cache_t
             f"tokens in all requests together (--cb-num-blocks x --cb-block-size), prompt and completion together. "
             f"Send a prompt of at most {paged_cache_tokens - 1} tokens, or start the server with a larger cache.",
         )
-    room = min(limit - prompt_length for limit in (context, paged_cache_tokens) if limit is not None)
+    limits = [limit for limit in (context, paged_cache_tokens) if limit is not None]
+    if not limits:
+        return  # a model without max_position_embeddings, served without continuous batching
+    room = min(limits) - prompt_length
     if generation_config.max_new_tokens is None or generation_config.max_new_tokens > room:
         generation_config.max_new_tokens = room
 

@@ -20,7 +20,8 @@ import transformers  # noqa: E402
 
 
 if Version(transformers.__version__) < Version("5.23"):  # dint-serve runs transformers 5.23's serving app
-    pytest.skip(f"dint-serve needs transformers >= 5.23 (installed: {transformers.__version__})", allow_module_level=True)
+    pytest.skip(f"dint-serve needs transformers >= 5.23 (installed: {transformers.__version__})",
+                allow_module_level=True)
 openai = pytest.importorskip("openai", reason='the serving extra is not installed: pip install -e ".[serve]"')
 pytest.importorskip("fastapi", reason='the serving extra is not installed: pip install -e ".[serve]"')
 
@@ -35,7 +36,8 @@ CONTEXT = 40
 CACHE_BLOCKS, BLOCK_SIZE = 2, 16
 PAGED_CACHE_TOKENS = CACHE_BLOCKS * BLOCK_SIZE
 """The continuous-batching servers' paged cache, smaller than the context so that both limits can be reached."""
-CONTINUOUS_BATCHING = ["--continuous-batching", "--cb-num-blocks", str(CACHE_BLOCKS), "--cb-block-size", str(BLOCK_SIZE)]
+CONTINUOUS_BATCHING = ["--continuous-batching", "--cb-num-blocks", str(CACHE_BLOCKS),
+                       "--cb-block-size", str(BLOCK_SIZE)]
 SERVERS = [("dint", "default"), ("dint", "continuous-batching"), ("llama", "default"), ("llama", "continuous-batching")]
 
 
@@ -51,7 +53,7 @@ def save_models(directory: str) -> dict[str, str]:
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     common = dict(vocab_size=len(tokenizer), max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=None, initializer_range=0.3)
-    models = {name: tiny_model(integral=integral, **common) for name, integral in (("dint", "mean"), ("softmax", "softmax"))}
+    models = {"dint": tiny_model(integral="mean", **common), "softmax": tiny_model(integral="softmax", **common)}
     dint_config = models["dint"].config
     torch.manual_seed(0)
     models["llama"] = LlamaForCausalLM(LlamaConfig(
