@@ -1,7 +1,8 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The converter never loses data: it refuses an output that would replace or change the source, gives its folders
 the permissions `save_pretrained` gives, cleans what a killed run left (and puts back an output a killed `--force`
-run had moved aside), and ends every expected failure in one line on stderr with exit status 2.
+run had moved aside), refuses a checkpoint that does not match its config before it builds or writes anything, and
+ends every expected failure (a full disk included) in one line on stderr with exit status 2.
 
 The CLI's contract is checked through the real CLI, `python -m modeling_dint.conversion`, in subprocesses (started
 together, a few at a time, since each spends seconds importing torch and transformers).
