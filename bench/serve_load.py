@@ -31,6 +31,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # serve_harness
 
 import torch  # noqa: E402
 from bench_common import add_model_size_arguments, build_model, load_average, machine_info, model_size_kwargs  # noqa: E402
@@ -224,7 +225,7 @@ def run_offline(args, size_kwargs: dict, prompts: list) -> None:
 
 def main():
     args = parse_args()
-    from modeling_dint.serve_cli import start_dint_serve
+    from serve_harness import start_dint_serve
 
     size_kwargs = model_size_kwargs(args)
     from transformers import AutoTokenizer
@@ -244,27 +245,27 @@ def main():
                          "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "error"]
                 servers[name] = start_dint_serve(paths[name], *flags, env=env)
             for name in args.models:  # warm-up: the first request creates the continuous-batching manager
-                asyncio.run(run_level(servers[name][1], paths[name], prompts, 2, 1, args.max_tokens))
+                asyncio.run(run_level(servers[name].base_url, paths[name], prompts, 2, 1, args.max_tokens))
             load_before = load_average()
             runs = {(concurrency, name): [] for concurrency in args.concurrency for name in args.models}
             for concurrency in args.concurrency:
                 for repeat in range(args.repeats):
                     order = args.models if repeat % 2 == 0 else list(reversed(args.models))
                     for name in order:
-                        process, base_url = servers[name]
+                        server = servers[name]
                         wall, latencies, generated = asyncio.run(
-                            run_level(base_url, paths[name], prompts, concurrency, args.requests_per_client, args.max_tokens)
+                            run_level(server.base_url, paths[name], prompts, concurrency, args.requests_per_client,
+                                      args.max_tokens)
                         )
                         runs[concurrency, name].append(
                             {"wall_s": wall, "requests": len(latencies), "latencies_s": latencies,
-                             "generated_tokens": generated, "peak_rss_mb": peak_resident_mb(process.pid)}
+                             "generated_tokens": generated, "peak_rss_mb": peak_resident_mb(server.process.pid)}
                         )
                         print(f"{concurrency:3d} clients  {name:10s} {sum(generated) / wall:8.1f} tokens/s  "
                               f"{len(latencies) / wall:6.2f} requests/s", flush=True)
         finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(timeout=60)
+            for server in servers.values():
+                server.stop(timeout=60)
     result = {
         "command": " ".join(sys.argv[1:]),
         "args": vars(args),

@@ -13,6 +13,7 @@ next run for the same output.
 """
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -130,21 +131,61 @@ class CheckpointReader:
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor named `key`, on CPU, in its stored dtype."""
-        if key not in self._key_to_file:
-            raise KeyError(f"Tensor {key!r} is missing from the checkpoint {str(self.path)!r}.")
-        weights_file = self._key_to_file[key]
+        weights_file = self._file_of(key)
         if weights_file.suffix == ".safetensors":
             return self._safetensors_handle(weights_file).get_tensor(key)
         return self._bin_state_dict(weights_file)[key]
+
+    def get_meta(self, key: str) -> torch.Tensor:
+        """The tensor named `key` on the meta device: its shape and stored dtype, read from the safetensors header
+        (an empty slice carries the dtype and reads no data) or the memory-mapped `.bin` shard."""
+        weights_file = self._file_of(key)
+        if weights_file.suffix == ".safetensors":
+            tensor_slice = self._safetensors_handle(weights_file).get_slice(key)
+            shape = tensor_slice.get_shape()
+            stored = tensor_slice[:0] if shape else self.get(key)  # a 0-d tensor cannot be sliced: one number read
+            return torch.empty(shape, dtype=stored.dtype, device="meta")
+        return self._bin_state_dict(weights_file)[key].to("meta")
+
+    def _file_of(self, key: str) -> Path:
+        if key not in self._key_to_file:
+            raise KeyError(f"Tensor {key!r} is missing from the checkpoint {str(self.path)!r}.")
+        return self._key_to_file[key]
+
+
+def meta_tensor(source, key: str) -> torch.Tensor:
+    """Tensor `key` of `source` (a state dict or a `CheckpointReader`) on the meta device: shape and dtype only."""
+    if isinstance(source, CheckpointReader):
+        return source.get_meta(key)
+    return source[key].to("meta")
 
 
 def floating_dtype(source) -> torch.dtype:
     """The dtype of the first floating-point tensor of `source` (a state dict or a `CheckpointReader`)."""
     for key in source.keys():
-        tensor = source[key]
+        tensor = meta_tensor(source, key)
         if tensor.is_floating_point():
             return tensor.dtype
     return torch.float32
+
+
+def read_config_json(source_dir: str | os.PathLike) -> dict:
+    """The fields of `source_dir`'s config.json.
+
+    Raises:
+        ValueError: no config.json, or one that is not a JSON object; the message names the file.
+    """
+    config_file = Path(source_dir) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"No config.json in {str(source_dir)!r}: cannot tell the source architecture.")
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"Invalid {str(config_file)!r}: not valid JSON ({error}).") from error
+    if not isinstance(fields, dict):
+        raise ValueError(f"Invalid {str(config_file)!r}: expected a JSON object of config fields, got a "
+                         f"{type(fields).__name__}.")
+    return fields
 
 
 def _load_weights_only(weights_file: Path) -> object:
@@ -218,7 +259,13 @@ class ShardedSafetensorsWriter:
 
     def _flush(self) -> None:
         shard_path = self.folder / f".shard-{len(self._written_shards):05d}.safetensors"
-        save_file(self._pending, str(shard_path), metadata={"format": "pt"})
+        try:
+            save_file(self._pending, str(shard_path), metadata={"format": "pt"})
+        except SafetensorError as error:  # safetensors reports a failed write (a full disk) as its own error
+            found = re.search(r"os error (\d+)", str(error))
+            number = int(found[1]) if found else errno.EIO
+            reason = os.strerror(number) if found else _one_line(error)
+            raise OSError(number, reason, str(shard_path)) from error
         self._written_shards.append((shard_path, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
@@ -356,7 +403,8 @@ def atomic_output_dir(
     Raises:
         ValueError: `output_dir` is, contains or lies inside `source_dir`.
         FileExistsError: `output_dir` exists and not `force`.
-        OSError: the folder next to `output_dir` cannot be written.
+        OSError: the folder next to `output_dir` cannot be written, or a file in it (a full disk): one message
+            naming `output_dir` and the reason.
     """
     output_dir = Path(output_dir).absolute()
     if source_dir is not None:
@@ -372,7 +420,15 @@ def atomic_output_dir(
     except OSError as error:
         raise OSError(f"Cannot write the output directory {str(output_dir)!r}: {error.strerror or error}.") from error
     try:
-        yield staging
+        try:
+            yield staging
+        except OSError as error:
+            if not _names_a_path_in(error, staging):
+                raise
+            raise OSError(
+                f"Cannot write the output directory {str(output_dir)!r}: {error.strerror or _one_line(error)}. "
+                "Nothing was written."
+            ) from error
         if os.path.lexists(output_dir):
             _replace(output_dir, staging)
         else:
@@ -380,6 +436,12 @@ def atomic_output_dir(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _names_a_path_in(error: OSError, folder: Path) -> bool:
+    """Whether `error` is about a path inside `folder` (a copy names its source first and its destination second)."""
+    return any(isinstance(name, (str, os.PathLike)) and Path(name).absolute().is_relative_to(folder)
+               for name in (error.filename, error.filename2))
 
 
 def _replace(output_dir: Path, staging: Path) -> None:

@@ -9,8 +9,8 @@ Source formats:
 """
 
 import contextlib
-import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +28,13 @@ from .checkpoint import (
     atomic_output_dir,
     copy_tokenizer_and_generation_files,
     existing_source_dir,
+    meta_tensor,
+    read_config_json,
     resolve_dtype,
 )
 from .diffllama import plan_diffllama_to_dint, plan_dint_to_diffllama
 from .llama import LLAMA_FAMILY_MODEL_TYPES, plan_llama_to_dint
-from .plan import ConversionPlan
+from .plan import ConversionPlan, attention_sizes
 from .reference import plan_reference_diff_to_dint
 
 
@@ -49,33 +51,106 @@ class ConversionOptions:
     rotary: str = "interleaved"
 
 
-def _plan_llama(source: CheckpointReader, options: ConversionOptions) -> ConversionPlan:
-    source_config = AutoConfig.from_pretrained(source.path)
+def _plan_llama(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
     return plan_llama_to_dint(
         source, source_config, options.integral, options.head_init, options.lambda_std_dev, options.seed
     )
 
 
-def _plan_diffllama(source: CheckpointReader, options: ConversionOptions) -> ConversionPlan:
-    return plan_diffllama_to_dint(source, AutoConfig.from_pretrained(source.path), options.integral)
+def _plan_diffllama(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    return plan_diffllama_to_dint(source, source_config, options.integral)
 
 
-def _plan_dint(source: CheckpointReader, options: ConversionOptions) -> ConversionPlan:
-    return plan_dint_to_diffllama(source, AutoConfig.from_pretrained(source.path))
+def _plan_dint(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    return plan_dint_to_diffllama(source, source_config)
 
 
-def _plan_reference_diff(source: CheckpointReader, options: ConversionOptions) -> ConversionPlan:
-    # The reference layout has no config class of its own: its dimensions are read as a DintConfig.
-    fields = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
-    fields = {key: value for key, value in fields.items() if key not in ("model_type", "architectures", "auto_map")}
-    return plan_reference_diff_to_dint(source, DintConfig(**fields), options.integral, options.rotary)
+def _plan_reference_diff(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    return plan_reference_diff_to_dint(source, source_config, options.integral, options.rotary)
 
 
 PLANNERS = {"llama": _plan_llama, "diffllama": _plan_diffllama, "dint": _plan_dint, "reference-diff": _plan_reference_diff}
-"""Source format -> planner `(CheckpointReader of the source folder, ConversionOptions) -> ConversionPlan`; a new
-source format is one more entry."""
+"""Source format -> planner `(CheckpointReader of the source folder, source config, ConversionOptions) ->
+ConversionPlan`; a new source format is one more entry."""
 
 SOURCE_FORMATS = ("auto", *PLANNERS)
+
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+"""The decoder-layer prefix that every source format's tensor names share."""
+
+SHAPES_FROM_CONFIG = {
+    "model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+    "lm_head.weight": ("vocab_size", "hidden_size"),
+    "model.norm.weight": ("hidden_size",),
+    "model.layers.{}.input_layernorm.weight": ("hidden_size",),
+    "model.layers.{}.post_attention_layernorm.weight": ("hidden_size",),
+    "model.layers.{}.self_attn.q_proj.weight": ("num_attention_heads * head_dim", "hidden_size"),
+    "model.layers.{}.self_attn.k_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "model.layers.{}.self_attn.v_proj.weight": ("num_key_value_heads * head_dim", "hidden_size"),
+    "model.layers.{}.mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "model.layers.{}.mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "model.layers.{}.mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+}
+"""Tensors that every source format names alike (Llama's names; `{}` is a layer index), with their shapes in the
+source config's sizes: what `check_source_matches_config` compares before anything is planned or built."""
+
+
+def load_source_config(source_dir: Path, source_format: str):
+    """The source config: transformers' config class for its `model_type` (a `DintConfig` of the reference model's
+    dimensions for `reference-diff`, which has no config class of its own).
+
+    Raises:
+        ValueError: a config.json that is not a JSON object or fails its config class's validation, naming the file.
+    """
+    config_file = source_dir / "config.json"
+    fields = read_config_json(source_dir)
+    try:
+        if source_format == "reference-diff":
+            return DintConfig(**{key: value for key, value in fields.items()
+                                 if key not in ("model_type", "architectures", "auto_map")})
+        return AutoConfig.from_pretrained(source_dir)
+    except StrictDataclassError as error:  # a config validator's error, wrapped over several lines
+        reason = error.__cause__ or error
+        raise ValueError(f"Invalid config {str(config_file)!r}: {' '.join(str(reason).split())}") from error
+    except ArithmeticError as error:  # transformers 5.24's Llama validator divides by num_attention_heads first
+        raise ValueError(f"Invalid config {str(config_file)!r}: {error} (a size of 0?)") from error
+
+
+def check_source_matches_config(source: CheckpointReader, source_config, config_file: Path) -> None:
+    """The checkpoint holds the layers its config counts and the sizes it names (`SHAPES_FROM_CONFIG`), compared on
+    names and shapes alone (nothing is read) before anything is planned or built: a config that claims 10**6 layers
+    or a hidden size its tensors do not have is refused at once, not after building a model of that size.
+
+    Raises:
+        ValueError: naming the config file, the field and the tensor that disagree.
+    """
+    num_layers = source_config.num_hidden_layers
+    layers = sorted({int(found[1]) for name in source.keys() if (found := LAYER_NAME.match(name))})
+    if len(layers) != num_layers or (layers and layers[-1] != num_layers - 1):  # sorted, distinct, >= 0: 0..L-1
+        held = f"layers {layers[0]} to {layers[-1]} ({len(layers)} layers)" if layers else "no layer tensors"
+        raise ValueError(
+            f"{str(config_file)!r} says num_hidden_layers={num_layers}, but the checkpoint {str(source.path)!r} holds "
+            f"{held}: the config does not match its weights."
+        )
+    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
+    sizes = {
+        "vocab_size": source_config.vocab_size,
+        "hidden_size": source_config.hidden_size,
+        "intermediate_size": source_config.intermediate_size,
+        "num_attention_heads * head_dim": num_heads * head_dim,
+        "num_key_value_heads * head_dim": num_kv_heads * head_dim,
+    }
+    for template, fields in SHAPES_FROM_CONFIG.items():
+        for name in dict.fromkeys(template.format(layer_idx) for layer_idx in range(num_layers)):
+            if name not in source:
+                continue  # the planner and the target's names decide what must be there
+            shape = tuple(meta_tensor(source, name).shape)
+            expected = tuple(sizes[field] for field in fields)
+            if shape != expected:
+                raise ValueError(
+                    f"Tensor {name!r} has shape {shape}, but {str(config_file)!r} gives ({', '.join(fields)}) = "
+                    f"{expected}: the config does not match its weights."
+                )
 
 
 def detect_source_format(source_dir: str | Path) -> str:
@@ -86,9 +161,7 @@ def detect_source_format(source_dir: str | Path) -> str:
         ValueError: no config.json, or a `model_type` no converter supports.
     """
     config_file = existing_source_dir(source_dir) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"No config.json in {str(source_dir)!r}: cannot tell the source architecture.")
-    model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    model_type = read_config_json(source_dir).get("model_type")
     if model_type in LLAMA_FAMILY_MODEL_TYPES:
         return "llama"
     if model_type in ("diffllama", "dint"):
@@ -109,24 +182,28 @@ def plan_conversion(
     seed: int = 0,
     rotary: str = "interleaved",
 ) -> ConversionPlan:
-    """Reads the source config, checks it, and plans the conversion (no tensor is computed yet; `plan.source` is
-    the one `CheckpointReader` of the source folder).
+    """Reads the source config, checks the checkpoint against it (`check_source_matches_config`), and plans the
+    conversion (no tensor is computed yet; `plan.source` is the one `CheckpointReader` of the source folder).
 
     Raises:
         FileNotFoundError: `source_dir` does not exist.
-        ValueError: an unsupported source, or a config that fails validation (source or converted).
+        ValueError: an unsupported source, a config that fails validation (source or converted), or a checkpoint
+            whose layers or sizes are not those of its config.
     """
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"`source_format` must be one of {SOURCE_FORMATS}, got {source_format!r}.")
     source_dir = existing_source_dir(source_dir)
     if source_format == "auto":
         source_format = detect_source_format(source_dir)
+    source_config = load_source_config(source_dir, source_format)
+    source = CheckpointReader(source_dir)
+    check_source_matches_config(source, source_config, source_dir / "config.json")
     options = ConversionOptions(integral, head_init, lambda_std_dev, seed, rotary)
     try:
-        return PLANNERS[source_format](CheckpointReader(source_dir), options)
-    except StrictDataclassError as error:  # a config validator's error, wrapped over several lines
-        reason = error.__cause__ or error
-        raise ValueError(f"Invalid config converting {str(source_dir)!r}: {' '.join(str(reason).split())}") from error
+        return PLANNERS[source_format](source, source_config, options)
+    except StrictDataclassError as error:  # the converted config's validator, wrapped over several lines
+        reason = " ".join(str(error.__cause__ or error).split())
+        raise ValueError(f"Invalid converted config for {str(source_dir)!r}: {reason}") from error
 
 
 def convert_checkpoint(
@@ -180,10 +257,10 @@ def convert_checkpoint(
     plan.config.dtype = str(reader_dtype).removeprefix("torch.")
     with torch.device("meta"):
         reference_model = plan.model_class(plan.config)
-    expected_shapes = {name: tuple(tensor.shape) for name, tensor in reference_model.state_dict().items()}
+    expected = dict(reference_model.state_dict())
     if plan.config.tie_word_embeddings:
-        expected_shapes.pop("lm_head.weight", None)
-    _check_names(plan, expected_shapes)
+        expected.pop("lm_head.weight", None)
+    check_plan(plan, expected)
     keep_in_fp32 = tuple(getattr(plan.model_class, "_keep_in_fp32_modules_strict", None) or ())
     with atomic_output_dir(output_dir, force=force, source_dir=source_dir) as staging:
         # Config, generation config and (for DINT) the remote-code files, exactly as `save_pretrained` writes them;
@@ -195,11 +272,6 @@ def convert_checkpoint(
         writer = ShardedSafetensorsWriter(staging, max_shard_size)
         for name, compute in tqdm(plan.tensors.items(), desc="Converting tensors", unit="tensor", disable=not progress):
             tensor = compute()
-            if tuple(tensor.shape) != expected_shapes[name]:
-                raise ValueError(
-                    f"Converted tensor {name!r} has shape {tuple(tensor.shape)}, but the target model expects "
-                    f"{expected_shapes[name]}: the source config does not match its weights."
-                )
             if tensor.is_floating_point():
                 keep_fp32 = any(part in name.split(".") for part in keep_in_fp32)
                 tensor = tensor.to(torch.float32 if keep_fp32 else reader_dtype)
@@ -221,13 +293,47 @@ def _transformers_progress_bar_off():
             transformers_logging.enable_progress_bar()
 
 
-def _check_names(plan: ConversionPlan, expected_shapes: dict[str, tuple]) -> None:
-    """Every target weight is planned, and nothing else (an unknown source tensor means an unsupported layout)."""
-    planned, expected = set(plan.tensors), set(expected_shapes)
-    if planned != expected:
-        unexpected, missing = sorted(planned - expected), sorted(expected - planned)
+def check_plan(plan: ConversionPlan, expected: dict[str, torch.Tensor]) -> None:
+    """Before anything is written: every weight of the target model (`expected`, name -> its tensor on the meta
+    device) is planned, and nothing else; every planned tensor, computed on the meta device from the source tensors'
+    shapes and dtypes alone, has the target's shape; and a floating-point weight is computed from floating-point
+    source tensors only.
+
+    Integer source tensors in floating-point weights are refused, with `--dtype auto` and any other dtype: such a
+    weight is quantized (its scales and zero points are not read here) or not a weight at all, and casting it would
+    write a model that loads and computes nonsense without an error.
+
+    Raises:
+        ValueError: naming the tensor and what is wrong with it.
+    """
+    planned = set(plan.tensors)
+    if planned != set(expected):
+        unexpected, missing = sorted(planned - set(expected)), sorted(set(expected) - planned)
         raise ValueError(
             f"The source checkpoint does not match a {plan.model_class.__name__}: "
             f"{len(unexpected)} unexpected tensors {unexpected[:8]}, {len(missing)} missing tensors {missing[:8]}. "
             f"Unsupported architecture or layout (e.g. a base model without the 'model.' prefix, extra norms)."
         )
+    for name, recipe in plan.tensors.items():
+        inputs = [meta_tensor(recipe.source, source_name) for source_name in recipe.source_names]
+        if expected[name].is_floating_point():
+            integer = {n: str(t.dtype) for n, t in zip(recipe.source_names, inputs) if not t.is_floating_point()}
+            if integer:
+                raise ValueError(
+                    f"Cannot convert {name!r}: the source tensors {integer} are not floating point. The converter "
+                    "does not cast integer tensors into floating-point weights (quantized weights need their scales "
+                    "and zero points); dequantize the checkpoint first."
+                )
+        try:
+            shape = tuple(recipe.function(*inputs, **recipe.options).shape)
+        except (RuntimeError, IndexError) as error:  # e.g. a reshape that the source tensor's size does not allow
+            raise ValueError(
+                f"Cannot convert {name!r} from the source tensors {list(recipe.source_names)} "
+                f"{[tuple(t.shape) for t in inputs]}: {str(error).splitlines()[0]}. The source config does not match "
+                "its weights."
+            ) from error
+        if shape != tuple(expected[name].shape):
+            raise ValueError(
+                f"Converted tensor {name!r} has shape {shape}, but the target model expects "
+                f"{tuple(expected[name].shape)}: the source config does not match its weights."
+            )

@@ -25,7 +25,7 @@ from transformers import PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import LAMBDA_NAMES, ConversionPlan, shared_decoder_fields
+from .plan import LAMBDA_NAMES, ConversionPlan, attention_sizes, shared_decoder_fields
 
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -57,9 +57,7 @@ def dint_config_from_llama(
         )
     if head_init not in HEAD_INITS:
         raise ValueError(f"`head_init` must be one of {HEAD_INITS}, got {head_init!r}.")
-    num_heads = source_config.num_attention_heads
-    num_kv_heads = source_config.num_key_value_heads or num_heads
-    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // num_heads
+    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
     if head_init == "copy" and (num_heads % 2 != 0 or num_kv_heads % 2 != 0):
         raise ValueError(
             f"Cannot pair the heads of this {model_type} checkpoint: num_attention_heads={num_heads}, "

@@ -8,7 +8,6 @@ it changes or adds. A new source format is one more such planner.
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -39,6 +38,21 @@ HEAD_LAYOUT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", 
 
 
 @dataclass
+class TensorRecipe:
+    """How one target tensor is computed: `function(*the source tensors named source_names, **options)`, when it is
+    written (`recipe()`). The converter checks every recipe on the meta device first (`function` on the source
+    tensors' shapes and dtypes alone), so a mismatch is refused before anything is written."""
+
+    source: Mapping[str, torch.Tensor]
+    function: Callable[..., torch.Tensor]
+    source_names: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)
+
+    def __call__(self) -> torch.Tensor:
+        return self.function(*(self.source[name] for name in self.source_names), **self.options)
+
+
+@dataclass
 class ConversionPlan:
     """What a converter produces, before anything is written.
 
@@ -46,15 +60,15 @@ class ConversionPlan:
         config: the target config (`DintConfig`, or `DiffLlamaConfig` for DINT -> DiffLlama).
         model_class: the target model class, e.g. `DintForCausalLM`; the writer checks names and shapes against it.
         source: the source tensors, a mapping name -> tensor (a state dict or a `CheckpointReader`).
-        tensors: target tensor name -> function returning that tensor (computed lazily, one at a time, so a large
-            checkpoint never has to fit in memory twice). Filled with the recipe methods below.
+        tensors: target tensor name -> its `TensorRecipe` (computed lazily, one at a time, so a large checkpoint
+            never has to fit in memory twice). Filled with the recipe methods below.
         notes: human-readable remarks about the conversion (printed by the CLI).
     """
 
     config: PreTrainedConfig
     model_class: type[PreTrainedModel]
     source: Mapping[str, torch.Tensor]
-    tensors: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    tensors: dict[str, TensorRecipe] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def copy_source_tensors(self, skip: Callable[[str], bool] | None = None) -> None:
@@ -73,11 +87,11 @@ class ConversionPlan:
 
     def derive(self, name: str, function: Callable[..., torch.Tensor], *source_names: str, **options) -> None:
         """Target tensor `name` is `function(*source tensors named source_names, **options)`, computed when written."""
-        self.tensors[name] = partial(_derived_tensor, self.source, function, source_names, options)
+        self.tensors[name] = TensorRecipe(self.source, function, source_names, options)
 
     def constant(self, name: str, value: torch.Tensor) -> None:
         """Target tensor `name` is `value` (a new tensor: lambda vectors, head norms, biases); each call gets a copy."""
-        self.tensors[name] = value.clone
+        self.tensors[name] = TensorRecipe(self.source, _copy_of, options={"value": value})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Computes every target tensor (in memory): for tests and small models."""
@@ -97,8 +111,17 @@ def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _derived_tensor(source, function, source_names, options) -> torch.Tensor:
-    return function(*(source[name] for name in source_names), **options)
+def _copy_of(value: torch.Tensor) -> torch.Tensor:
+    return value.clone()
+
+
+def attention_sizes(config: PreTrainedConfig) -> tuple[int, int, int]:
+    """`(num_attention_heads, num_key_value_heads, head_dim)` of a Llama-style config, where the key/value heads
+    default to the attention heads and `head_dim` to `hidden_size // num_attention_heads`, as in Llama's config."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return num_heads, num_kv_heads, head_dim
 
 
 def shared_decoder_fields(source_config: PreTrainedConfig, *extra_fields: str) -> dict:

@@ -433,11 +433,23 @@ def test_existing_output_is_refused_unless_force(tmp_path):
 def test_failed_run_leaves_nothing(tmp_path):
     source = make_model(LlamaForCausalLM, LlamaConfig)
     state = source.state_dict()
-    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)  # fails late, after shards were written
+    state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)  # refused from its shape, before any write
     source.config.save_pretrained(tmp_path / "source")
     torch.save(state, tmp_path / "source" / "pytorch_model.bin")
     with pytest.raises(ValueError, match="down_proj.weight.*has shape \\(3, 3\\)"):
         convert_checkpoint(tmp_path / "source", tmp_path / "dint", max_shard_size="1KB", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_integer_tensor_in_a_float_weight_is_refused_not_cast(tmp_path, dtype):
+    source = make_model(LlamaForCausalLM, LlamaConfig)
+    state = source.state_dict()
+    state["model.layers.0.self_attn.o_proj.weight"] = torch.randint(-128, 127, (32, 32), dtype=torch.int8)
+    source.config.save_pretrained(tmp_path / "source")
+    torch.save(state, tmp_path / "source" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.o_proj.weight': 'torch.int8'.*dequantize"):
+        convert_checkpoint(tmp_path / "source", tmp_path / "dint", dtype=dtype, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
 

@@ -1,7 +1,8 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The converter never loses data: it refuses an output that would replace or change the source, gives its folders
 the permissions `save_pretrained` gives, cleans what a killed run left (and puts back an output a killed `--force`
-run had moved aside), and ends every expected failure in one line on stderr with exit status 2.
+run had moved aside), refuses a checkpoint that does not match its config before it builds or writes anything, and
+ends every expected failure (a full disk included) in one line on stderr with exit status 2.
 
 The CLI's contract is checked through the real CLI, `python -m modeling_dint.conversion`, in subprocesses (started
 together, a few at a time, since each spends seconds importing torch and transformers).
@@ -14,10 +15,12 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling_dint import DintConfig, DintForCausalLM
@@ -300,7 +303,35 @@ def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
     if case == "output-inside-source":
         save_llama(source)
         return [str(source), str(source / "out")], "lies inside the source checkpoint"
+    if case == "config-claims-a-million-layers":  # refused from the tensor names, before a model that size is built
+        edit_config(save_llama(source), num_hidden_layers=10**6)
+        return [str(source), str(root / "out")], "num_hidden_layers=1000000, but the checkpoint"
+    if case == "config-hidden-size-not-the-weights":
+        edit_config(save_llama(source), hidden_size=4096)
+        return [str(source), str(root / "out")], "(vocab_size, hidden_size) = (96, 4096)"
+    if case == "integer-tensor-in-a-float-weight":
+        save_llama(source)
+        weights = load_file(source / "model.safetensors")
+        weights["model.layers.1.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"].to(torch.int8)
+        save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+        return [str(source), str(root / "out")], "{'model.layers.1.mlp.up_proj.weight': 'torch.int8'}"
+    if case == "config-not-json":
+        save_llama(source)
+        (source / "config.json").write_text('{"model_type": "llama", ')
+        return [str(source), str(root / "out")], f"Invalid {str(source / 'config.json')!r}: not valid JSON"
+    if case == "config-not-an-object":
+        save_llama(source)
+        (source / "config.json").write_text("[1, 2]")
+        return [str(source), str(root / "out")], f"Invalid {str(source / 'config.json')!r}: expected a JSON object"
+    if case == "config-field-of-the-wrong-type":
+        edit_config(save_llama(source), hidden_size="large")
+        return [str(source), str(root / "out")], f"Invalid config {str(source / 'config.json')!r}: Field 'hidden_size'"
     raise AssertionError(case)
+
+
+def edit_config(source: Path, **fields) -> None:
+    config_file = source / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **fields}))
 
 
 CLI_FAILURES = [
@@ -316,20 +347,32 @@ CLI_FAILURES = [
     "output-is-source",
     "output-contains-source",
     "output-inside-source",
+    "config-claims-a-million-layers",
+    "config-hidden-size-not-the-weights",
+    "integer-tensor-in-a-float-weight",
+    "config-not-json",
+    "config-not-an-object",
+    "config-field-of-the-wrong-type",
 ]
 
 
-def run_processes(commands: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
-    """Runs the commands, `PARALLEL_PROCESSES` at a time; returns their results by name."""
+def run_processes(commands: dict[str, list[str]], timeout: float = 180.0) -> dict[str, subprocess.CompletedProcess]:
+    """Runs the commands, `PARALLEL_PROCESSES` at a time; returns their results by name. A command still running
+    `timeout` seconds after it started is killed (its returncode is then negative)."""
     results, pending, running = {}, list(commands.items()), {}
     while pending or running:
         while pending and len(running) < PARALLEL_PROCESSES:
             name, command = pending.pop(0)
             running[name] = (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                        text=True))
+                                                        text=True), time.monotonic())
         name = next(iter(running))
-        command, process = running.pop(name)
-        stdout, stderr = process.communicate(timeout=300)
+        command, process, started = running.pop(name)
+        try:
+            stdout, stderr = process.communicate(timeout=max(started + timeout - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+            stderr += f"\n(killed: still running after {timeout:.0f} s)"
         results[name] = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return results
 
@@ -376,3 +419,56 @@ def test_cli_prints_no_empty_progress_bar(cli_runs):
     assert result.returncode == 0, result.stderr
     assert "Converting tensors" in result.stderr  # the converter's own bar stays
     assert "Writing model shards" not in result.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A full disk
+
+
+FULL_DISK_SCRIPT = """
+import sys
+from safetensors import SafetensorError, torch as safetensors_torch
+from modeling_dint.conversion.__main__ import main
+
+def serialize_file(*args, **kwargs):  # what safetensors raises when the disk fills while it writes
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+safetensors_torch.serialize_file = serialize_file
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(params=["small-filesystem", "injected-write-failure"])
+def full_disk(request, tmp_path):
+    """(a folder where the converted weights do not fit, the command that converts into it): a 1 MB tmpfs (where
+    this machine lets the tests mount one) or a safetensors writer that fails as on a full disk."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if request.param == "injected-write-failure":
+        yield folder, [sys.executable, "-c", FULL_DISK_SCRIPT]
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield folder, CLI
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_full_disk_is_one_line_on_stderr_status_2_and_leaves_nothing(tmp_path, full_disk, cli_runs):
+    folder, command = full_disk
+    # 8 MB of weights: the config and the remote-code files fit in the tmpfs, the weights do not
+    source = save_llama(tmp_path / "source", hidden_size=256, intermediate_size=1024, head_dim=64)
+    before = tree_snapshot(source)
+    result = subprocess.run([*command, str(source), str(folder / "dint"), "--quiet"], capture_output=True, text=True,
+                            timeout=300)
+    environment_lines = cli_runs["import-only"][0].stderr.splitlines()  # e.g. warnings of optional packages
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr and len(lines) == len(environment_lines) + 1, result.stderr
+    assert lines[-1] == (f"dint-convert: error: Cannot write the output directory {str(folder / 'dint')!r}: No space "
+                         "left on device. Nothing was written."), lines[-1]
+    assert list(folder.iterdir()) == []  # the hidden staging folder is removed
+    assert tree_snapshot(source) == before

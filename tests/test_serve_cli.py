@@ -2,7 +2,7 @@
 official `openai` client, with and without continuous batching. Needs the serving extra (`.[serve]`)."""
 
 import os
-import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn", reason='the serving extra is not installed: pip i
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from modeling_dint.serve_cli import start_dint_serve  # noqa: E402
+from serve_harness import start_dint_serve  # noqa: E402
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,13 +59,9 @@ def server(request, model_dir):
     # A small paged cache: continuous batching would otherwise size it from the free memory (slow to allocate)
     flags = ["--continuous-batching", "--cb-num-blocks", "64"] if request.param == "continuous-batching" else []
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(model_dir, "hub-cache"))
-    process, base_url = start_dint_serve(model_dir, *flags, env=env)
-    yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused"), model_dir
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    dint_server = start_dint_serve(model_dir, *flags, env=env)
+    yield openai.OpenAI(base_url=f"{dint_server.base_url}/v1", api_key="unused"), model_dir, dint_server
+    dint_server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +90,12 @@ def chat_completion(client, model, messages, **kwargs):
 
 
 def test_models_lists_the_served_model(server):
-    client, model = server
+    client, model, _ = server
     assert model in [entry.id for entry in client.models.list().data]
 
 
 def test_chat_completion_equals_generate(server, reference):
-    client, model = server
+    client, model, _ = server
     reference_chat, _ = reference
     for messages in CHATS[:2]:
         response = chat_completion(client, model, messages)
@@ -108,7 +104,7 @@ def test_chat_completion_equals_generate(server, reference):
 
 
 def test_streaming_gives_the_non_streaming_text(server):
-    client, model = server
+    client, model, _ = server
     messages = CHATS[2]
     streamed = "".join(
         chunk.choices[0].delta.content or ""
@@ -119,7 +115,7 @@ def test_streaming_gives_the_non_streaming_text(server):
 
 
 def test_completion_equals_generate(server, reference):
-    client, model = server
+    client, model, _ = server
     _, reference_text = reference
     prompt = "Once more unto the breach"
     response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -127,9 +123,35 @@ def test_completion_equals_generate(server, reference):
 
 
 def test_concurrent_clients_each_get_their_own_answer(server, reference):
-    client, model = server
+    client, model, _ = server
     reference_chat, _ = reference
     with ThreadPoolExecutor(max_workers=len(CHATS)) as pool:
         answers = list(pool.map(lambda messages: chat_completion(client, model, messages).choices[0].message.content, CHATS))
     assert answers == [reference_chat(messages) for messages in CHATS]
     assert len(set(answers)) > 1
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) that process `pid` has used so far (Linux: /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads the server's CPU time from /proc")
+def test_streaming_generation_stops_when_the_client_disconnects(server):
+    """A streaming completion with a huge `max_tokens` (capped at the model's 8192 positions: minutes of generation
+    on CPU) whose client leaves after three chunks: the server stops generating (it uses no CPU after a moment) and
+    answers the next request."""
+    client, model, dint_server = server
+    stream = client.completions.create(model=model, prompt="Once more unto the breach", max_tokens=10**9, temperature=0,
+                                       stream=True)
+    for _, _chunk in zip(range(3), stream):
+        pass
+    stream.close()
+    time.sleep(2)  # the server sees the disconnect and cancels the generation
+    before = cpu_seconds(dint_server.process.pid)
+    time.sleep(3)
+    assert cpu_seconds(dint_server.process.pid) - before < 0.15  # generating would use a good part of a core
+    response = client.completions.create(model=model, prompt="Once more", max_tokens=3, temperature=0)
+    assert response.usage.completion_tokens == 3
