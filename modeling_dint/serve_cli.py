@@ -46,6 +46,8 @@ import time
 
 import transformers
 
+from .transformers_compat import SERVE_LISTS_THE_SERVED_MODEL
+
 
 DINT_SERVE_HELP = """\
 Serve a DINT model (or any causal LM that transformers loads) with transformers' OpenAI-compatible server: the
@@ -107,16 +109,15 @@ def install_serving_model_manager() -> None:
     from huggingface_hub.errors import CacheNotFound
     from transformers.cli.serving import model_manager
 
-    lists_forced_model_itself = hasattr(model_manager.ModelManager, "list_models")  # 5.24
-    lists_cached_models_only = hasattr(model_manager.ModelManager, "get_gen_models")  # 5.23
-    if not (hasattr(model_manager, "transformers") and (lists_forced_model_itself or lists_cached_models_only)):
+    listing_method = "list_models" if SERVE_LISTS_THE_SERVED_MODEL else "get_gen_models"
+    if not (hasattr(model_manager, "transformers") and hasattr(model_manager.ModelManager, listing_method)):
         raise RuntimeError(
             "transformers.cli.serving.model_manager changed (transformers "
             f"{transformers.__version__}): check whether `transformers serve` loads custom models now, and update "
             "modeling_dint/serve_cli.py."
         )
     model_manager.transformers = _ArchitecturesOrAutoModel()
-    if lists_forced_model_itself or getattr(model_manager.ModelManager, "lists_served_model", False):
+    if SERVE_LISTS_THE_SERVED_MODEL or getattr(model_manager.ModelManager, "lists_served_model", False):
         return  # 5.24, or this 5.23 subclass is already installed
 
     class ServedModelManager(model_manager.ModelManager):
@@ -143,16 +144,19 @@ def install_serving_model_manager() -> None:
 
 
 def continuous_batching_refusal(model_name: str, config) -> str | None:
-    """Why `model_name` (its config `config`) cannot be served with continuous batching, or None if it can."""
-    if getattr(config, "model_type", None) != "dint" or config.integral != "softmax":
+    """Why `model_name` (its config `config`) cannot be served with continuous batching, or None if it can: the
+    checks DINT's continuous batching itself makes when it starts (`serving.check_transformers_release`,
+    `serving.check_servable`), made before the server reports healthy."""
+    if getattr(config, "model_type", None) != "dint":
         return None
-    return (
-        f"{model_name} is a DINT model with integral='softmax', which continuous batching cannot run: its integral "
-        "needs the column sums of each request's attention map, which the paged cache does not keep. Serve it "
-        "without --continuous-batching (sequential generation runs every integral mode), or serve a model with "
-        "integral='mean' (the same weights with \"integral\": \"mean\" in config.json compute another function: "
-        "fine-tune it first)."
-    )
+    from . import serving
+
+    try:
+        serving.check_transformers_release()
+        serving.check_servable(config)
+    except (RuntimeError, ValueError) as error:
+        return f"{model_name}: {error}"
+    return None
 
 
 def check_serving_options(options: dict) -> None:

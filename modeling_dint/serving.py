@@ -80,8 +80,8 @@ def check_servable(config) -> None:
         raise ValueError(
             "DINT with integral='softmax' cannot run under continuous batching: its integral needs the per-key "
             "column sums of each request, which the paged cache does not keep. Serve it without continuous batching "
-            "(model.generate(), or dint-serve without --continuous-batching), or use a model with integral='mean' "
-            "or 'none' (dint-convert --integral mean converts a checkpoint)."
+            "(model.generate(), or dint-serve without --continuous-batching), or serve a model trained with "
+            "integral='mean' or 'none' (the same weights with another integral compute another function)."
         )
 
 

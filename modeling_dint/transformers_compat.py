@@ -307,6 +307,12 @@ def enable_activation_checkpointing(model, **checkpointing_kwargs) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+# --- `transformers serve` lists the model it was started with in `/v1/models` from 5.24 (`ModelManager.list_models`);
+# 5.23's `ModelManager.get_gen_models` lists the Hub cache's models only, which dint-serve extends (serve_cli.py):
+# this bridge serves 5.23. ---
+SERVE_LISTS_THE_SERVED_MODEL = installed_release() >= (5, 24)
+
+
 # --- compiled decoding on a CPU: generate() compiles the decode step of a static cache by itself on accelerators
 # only; `CompileConfig._compile_all_devices` (a private attribute, every 5.x release) extends it to every device. ---
 def compile_on_every_device(compile_config):
@@ -344,6 +350,7 @@ __all__ = [
     "GENERATE_RECORDS_PAST_FOR_CROP",
     "HAS_DISTRIBUTED_CONFIG_TP_PLAN",
     "tensor_parallel_arguments",
+    "SERVE_LISTS_THE_SERVED_MODEL",
     "activation_checkpointing_arguments",
     "enable_activation_checkpointing",
     "compile_on_every_device",
