@@ -14,19 +14,28 @@ sees only its own tokens' running sum.
 OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n}}`.
 """
 
+import contextlib
 import gc
 import json
 import sys
 
 
-def drop_integral_state() -> None:
-    """The negative control: each step's running sum restarts from zero (the carried state is dropped)."""
+@contextlib.contextmanager
+def integral_state_dropped(dropped: bool):
+    """The negative control (where `dropped`): each step's running sum restarts from zero, the carried state is
+    neither read nor written. Restored on exit, for the runs that follow in this process."""
     from modeling_dint.vllm import modeling_dint_vllm
 
     def running_sum_without_state(layer, signal_output, running_sum):
         running_sum.copy_(signal_output.float().cumsum(0))
 
-    modeling_dint_vllm.running_signal_sum = running_sum_without_state
+    original = modeling_dint_vllm.running_signal_sum
+    if dropped:
+        modeling_dint_vllm.running_signal_sum = running_sum_without_state
+    try:
+        yield
+    finally:
+        modeling_dint_vllm.running_signal_sum = original
 
 
 def preemption_count(llm) -> int:
@@ -36,8 +45,6 @@ def preemption_count(llm) -> int:
 def run_one(model: str, run: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    if run.get("drop_integral_state"):
-        drop_integral_state()
     llm = LLM(model=model, seed=0, disable_log_stats=False, **run["engine"])
     sampling = SamplingParams(
         temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, logprobs=run.get("logprobs", 0)
@@ -67,7 +74,10 @@ def main() -> None:
     runs_path, out_path = sys.argv[1], sys.argv[2]
     with open(runs_path, encoding="utf-8") as file:
         spec = json.load(file)
-    results = {run["name"]: run_one(spec["model"], run) for run in spec["runs"]}
+    results = {}
+    for run in spec["runs"]:
+        with integral_state_dropped(run.get("drop_integral_state", False)):
+            results[run["name"]] = run_one(spec["model"], run)
     with open(out_path, "w", encoding="utf-8") as file:
         json.dump(results, file)
 
