@@ -67,6 +67,9 @@ def parse_args():
     parser.add_argument("--cb-num-blocks", type=int, default=64, help="dint-serve's paged-cache blocks")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="dint-serve's tokens per step")
     parser.add_argument("--vllm-python", default=None, help="default: the virtualenv of .ci/vllm_env.py")
+    parser.add_argument("--dint-serve-python", default=None,
+                        help="the python that runs dint-serve (default: this one), e.g. a virtualenv with another "
+                        "transformers release")
     parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_cpu"))
     return parser.parse_args()
 
@@ -98,30 +101,50 @@ def save_models(size: dict, directory: str) -> dict[str, str]:
     return paths
 
 
-def start_vllm_server(python: str, model: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI server for `model` on a free port of 127.0.0.1; returns the process and the base URL."""
+def free_port() -> int:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB), TOKENIZERS_PARALLELISM="false")
+        return probe.getsockname()[1]
+
+
+def start_server(command: list[str], port: int, env: dict, log_path: str) -> tuple[subprocess.Popen, str]:
+    """Starts an OpenAI-compatible server (its output to `log_path`) and waits until `/health` answers on
+    127.0.0.1:`port`; returns the process and the base URL."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the vLLM server for {model} exited ({process.returncode}); see {log_path}")
+            raise RuntimeError(f"{command[:4]} exited ({process.returncode}); see {log_path}")
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2):
                 return process, base_url
         except OSError:
             time.sleep(2)
     process.kill()
-    raise RuntimeError(f"the vLLM server for {model} did not start in {SERVER_STARTUP_SECONDS} s; see {log_path}")
+    raise RuntimeError(f"{command[:4]} did not answer in {SERVER_STARTUP_SECONDS} s; see {log_path}")
+
+
+def start_vllm_server(python: str, model: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server for `model` (default engine settings) on a free port of 127.0.0.1."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_SPACE_GIB), TOKENIZERS_PARALLELISM="false")
+    return start_server(command, port, env, log_path)
+
+
+def start_dint_serve(python: str, model: str, args, directory: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    """`dint-serve --continuous-batching` for `model`, run by `python` (this one, or --dint-serve-python's)."""
+    port = free_port()
+    command = [python, "-m", "modeling_dint.serve_cli", model, "--host", "127.0.0.1", "--port", str(port),
+               "--continuous-batching", "--cb-num-blocks", str(args.cb_num_blocks),
+               "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "error"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(directory, "hub-cache"))
+    return start_server(command, port, env, log_path)
 
 
 def kv_cache_tokens(log_path: str) -> int | None:
@@ -138,15 +161,11 @@ def measure_size(args, size_name: str, python: str, prompts: list, directory: st
     servers, kv_tokens = {}, {}
     try:
         for system in systems:
+            log_path = os.path.join(directory, f"{system}.log")
             if system == "dint-serve":
-                from modeling_dint.serve_cli import start_dint_serve
-
-                flags = ["--continuous-batching", "--cb-num-blocks", str(args.cb_num_blocks),
-                         "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "error"]
-                env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(directory, "hub-cache"))
-                servers[system] = start_dint_serve(served[system], *flags, env=env, timeout=SERVER_STARTUP_SECONDS)
+                dint_serve_python = args.dint_serve_python or sys.executable
+                servers[system] = start_dint_serve(dint_serve_python, served[system], args, directory, log_path)
             else:
-                log_path = os.path.join(directory, f"{system}.log")
                 servers[system] = start_vllm_server(python, served[system], log_path)
                 kv_tokens[system] = kv_cache_tokens(log_path)
             print(f"[{size_name}] {system} up", flush=True)
@@ -203,7 +222,8 @@ def render_markdown(result: dict) -> str:
         f"in turn (greedy, max {args['max_tokens']} tokens); {args['repeats']} interleaved repetitions per level "
         "(median throughput; latency percentiles over all requests of the level). vLLM: default engine settings "
         f"(compiled, chunked prefill, prefix caching), `VLLM_CPU_KVCACHE_SPACE={KV_CACHE_SPACE_GIB}`, max model length "
-        f"{MAX_MODEL_LEN}. dint-serve: `--continuous-batching --cb-num-blocks {args['cb_num_blocks']} "
+        f"{MAX_MODEL_LEN}. dint-serve (transformers "
+        f"{result['dint_serve_transformers']}): `--continuous-batching --cb-num-blocks {args['cb_num_blocks']} "
         f"--cb-max-batch-tokens {args['cb_max_batch_tokens']}`. All three servers run during the whole size.",
     ]
     for size in result["sizes"]:
@@ -254,8 +274,12 @@ def main():
     for size_name in args.sizes:
         with tempfile.TemporaryDirectory() as directory:
             sizes.append(measure_size(args, size_name, python, prompts, directory))
+    dint_serve_transformers = subprocess.run(
+        [args.dint_serve_python or sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True, text=True).stdout.strip()
     result = {"command": " ".join(sys.argv[1:]), "args": vars(args), "machine": machine_info("cpu"),
-              "vllm_version": f"vllm-cpu {vllm_version}", "sizes": sizes}
+              "vllm_version": f"vllm-cpu {vllm_version}", "dint_serve_transformers": dint_serve_transformers,
+              "sizes": sizes}
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "results.json"), "w") as output:
         json.dump(result, output, indent=1)

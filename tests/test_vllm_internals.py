@@ -9,6 +9,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 
 import pytest
 
@@ -134,3 +135,93 @@ def test_load_time_refusals_name_the_field():
         dint_vllm.check_servable(DintConfig(hidden_size=128, num_attention_heads=8, integral="softmax"))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide num_key_value_heads / 2 = 2"):
         dint_vllm.check_tensor_parallel_size(DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4), 4)
+
+
+# ------------------------------------------------------------------------- the same internals, in a source tree
+# The CUDA build (vllm==0.33.0: torch 2.14.0, CUDA libraries) cannot be installed on CI's CPU machine; its source can
+# be read. `python .ci/vllm_env.py --cuda-source` extracts the wheel's python files (once, into the cache) and prints
+# the folder; DINT_VLLM_CUDA_SOURCE=<it> makes the test below read it beside the installed vLLM's.
+SOURCE_INTERNALS = [
+    # (file under vllm/, class or function, names it must define: parameters of a function, members of a class)
+    ("model_executor/models/llama.py", "LlamaModel.__init__", {"vllm_config", "prefix", "layer_type"}),
+    ("model_executor/models/llama.py", "LlamaDecoderLayer.__init__", {"vllm_config", "prefix", "attn_layer_type"}),
+    ("model_executor/models/llama.py", "LlamaModel", {"hf_to_vllm_mapper", "embed_input_ids", "load_weights"}),
+    ("model_executor/layers/attention/attention.py", "Attention.__init__",
+     {"num_heads", "head_size", "scale", "num_kv_heads", "cache_config", "quant_config", "prefix"}),
+    ("model_executor/layers/mamba/abstract.py", "MambaBase",
+     {"get_state_shape", "get_state_dtype", "mamba_type", "bind_kv_cache", "get_kv_cache_spec"}),
+    ("v1/attention/backends/linear_attn.py", "LinearAttentionMetadata",
+     {"num_prefills", "num_prefill_tokens", "num_decodes", "num_decode_tokens", "query_start_loc", "seq_lens",
+      "state_indices_tensor"}),
+    ("v1/attention/backends/linear_attn.py", "LinearAttentionMetadataBuilder", {"reorder_batch_threshold", "build"}),
+    ("v1/attention/backends/registry.py", "MambaAttentionBackendEnum", {"LINEAR"}),
+    ("model_executor/models/interfaces.py", "IsHybrid",
+     {"is_hybrid", "get_mamba_state_shape_from_config", "get_mamba_state_copy_func", "get_mamba_state_copy_funcs"}),
+    ("model_executor/models/interfaces.py", "HasInnerState", {"has_inner_state"}),
+    ("model_executor/layers/mamba/mamba_utils.py", "MambaStateCopyFuncCalculator", {"linear_attention_state_copy_func"}),
+    ("config/compilation.py", "CompilationConfig", {"_attention_ops"}),
+    ("forward_context.py", "ForwardContext", {"attn_metadata", "no_compile_layers"}),
+    ("forward_context.py", "get_forward_context", set()),
+    ("utils/torch_utils.py", "direct_register_custom_op", {"op_name", "op_func", "mutates_args", "fake_impl"}),
+    ("model_executor/models/utils.py", "AutoWeightsLoader.__init__", {"ignore_unexpected_prefixes"}),
+    ("model_executor/models/utils.py", "AutoWeightsLoader.load_weights", {"mapper"}),
+    ("model_executor/models/utils.py", "extract_layer_index", set()),
+    ("model_executor/models/utils.py", "maybe_prefix", set()),
+]
+"""`VLLM_INTERNALS` as names in source files: what the tests above check on the installed vLLM, read with `ast`."""
+
+
+def source_definitions(path: str, qualified_name: str) -> set[str] | None:
+    """The names `qualified_name` defines in the python file `path` (a function's parameters; a class's methods,
+    annotated fields, assigned attributes and enum members), or None where the file or the definition is missing."""
+    import ast
+
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as file:
+        scope = ast.parse(file.read()).body
+    node = None
+    for part in qualified_name.split("."):
+        node = next((item for item in scope if getattr(item, "name", None) == part), None)
+        if node is None:
+            return None
+        scope = getattr(node, "body", [])
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        arguments = node.args
+        return {argument.arg for argument in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]}
+    names = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.add(item.target.id)
+        elif isinstance(item, ast.Assign):
+            names.update(target.id for target in item.targets if isinstance(target, ast.Name))
+    return names
+
+
+def source_trees() -> list[tuple[str, str]]:
+    import vllm
+
+    trees = [(f"installed vllm {vllm.__version__}", os.path.dirname(vllm.__file__))]
+    cuda_source = os.environ.get("DINT_VLLM_CUDA_SOURCE")
+    if cuda_source:
+        trees.append((f"CUDA build source {cuda_source}", os.path.join(cuda_source, "vllm")))
+    return trees
+
+
+@pytest.mark.parametrize("tree", source_trees(), ids=lambda tree: tree[0])
+def test_source_defines_every_internal(tree):
+    label, root = tree
+    problems = []
+    for relative_path, qualified_name, required in SOURCE_INTERNALS:
+        defined = source_definitions(os.path.join(root, relative_path), qualified_name)
+        if defined is None:
+            problems.append(f"{relative_path}: {qualified_name} is gone")
+        elif not required <= defined:
+            problems.append(f"{relative_path}: {qualified_name} lacks {sorted(required - defined)}")
+    llama_attention = source_definitions(os.path.join(root, "model_executor/models/llama.py"), "LlamaAttention.__init__")
+    if llama_attention is not None and not llama_attention <= parameters(dint_vllm.DintVllmAttention.__init__):
+        problems.append(f"LlamaAttention.__init__ takes {sorted(llama_attention - parameters(dint_vllm.DintVllmAttention.__init__))} "
+                        "that DintVllmAttention does not")
+    assert not problems, f"{label}: vLLM internals DINT uses have changed:\n" + "\n".join(problems)

