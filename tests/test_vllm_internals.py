@@ -162,6 +162,7 @@ SOURCE_INTERNALS = [
     ("config/compilation.py", "CompilationConfig", {"_attention_ops"}),
     ("forward_context.py", "ForwardContext", {"attn_metadata", "no_compile_layers"}),
     ("forward_context.py", "get_forward_context", set()),
+    ("config/vllm.py", "get_current_vllm_config", set()),
     ("utils/torch_utils.py", "direct_register_custom_op", {"op_name", "op_func", "mutates_args", "fake_impl"}),
     ("model_executor/models/utils.py", "AutoWeightsLoader.__init__", {"ignore_unexpected_prefixes"}),
     ("model_executor/models/utils.py", "AutoWeightsLoader.load_weights", {"mapper"}),

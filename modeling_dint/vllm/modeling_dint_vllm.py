@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import vllm
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.compilation import CompilationConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -82,6 +82,7 @@ VLLM_INTERNALS = {
     "config.compilation.CompilationConfig._attention_ops": "the integral op splits compiled graphs (as vLLM's own "
     "state ops), so that a CUDA graph never captures its per-request Python",
     "forward_context.get_forward_context() (attn_metadata, no_compile_layers)": "the step's metadata in the op",
+    "config.get_current_vllm_config()": "the engine's config where LlamaDecoderLayer builds the attention",
     "utils.torch_utils.direct_register_custom_op": "the integral op",
     "compilation_config.static_forward_context": "registers the state layer by name",
     "model_executor.models.utils (AutoWeightsLoader, extract_layer_index, maybe_prefix)": "weight loading, names",
@@ -258,8 +259,6 @@ class DintVllmAttention(nn.Module):
         attn_type: str = "decoder",
     ):
         super().__init__()
-        from vllm.config import get_current_vllm_config
-
         vllm_config = get_current_vllm_config()
         tp_size = get_tensor_model_parallel_world_size()
         check_servable(config)
