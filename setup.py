@@ -19,7 +19,7 @@ setup(
     package_dir={"modeling_dint.presets": "configuration", "modeling_dint.conversion": "conversion"},
     package_data={"modeling_dint.presets": ["*.json"]},
     install_requires=[
-        "torch>=2.6.0",
+        "torch>=2.9.1",
         "transformers>=5.5.0,<6",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
@@ -36,7 +36,9 @@ setup(
         # int8 weight-only quantization on CPU (TorchAoConfig; README "Quantization on CPU"). Its own extra: where
         # torchao is installed, transformers imports it with every model class (and it logs CUDA-kernel load failures
         # on a CPU-only torch), so the default install leaves it out.
-        "quantization": ["torchao==0.18.0"],
+        # torchao 0.18 needs torch >= 2.11 (below it transformers' import of torchao fails, and every model class
+        # with it).
+        "quantization": ["torchao==0.18.0", "torch>=2.11"],
         # lm-evaluation-harness recipe (examples/eval_lm_harness.md) and its slow test
         "eval": ["lm-eval==0.4.13"],
         # reading GGUF checkpoints (examples/convert_smollm2.py)

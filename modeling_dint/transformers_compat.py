@@ -23,7 +23,7 @@ from packaging.version import Version
 MINIMUM_TRANSFORMERS_VERSION = "5.5.0"
 """The oldest transformers release DINT runs on (`setup.py`'s `install_requires` states the same bound)."""
 
-MINIMUM_TORCH_VERSION = "2.6.0"
+MINIMUM_TORCH_VERSION = "2.9.1"
 """The oldest torch DINT runs on (`setup.py` states the same bound; `.ci/torch_matrix.py` measures it)."""
 
 
@@ -48,8 +48,9 @@ def check_transformers_version(installed: str | None = None) -> None:
 
 
 def check_torch_version(installed: str | None = None) -> None:
-    """Raises `UnsupportedTransformersError` if `installed` (default: the installed torch) is below the floor (below
-    2.6, transformers itself turns torch off and every model class fails to import)."""
+    """Raises `UnsupportedTransformersError` if `installed` (default: the installed torch) is below the floor: the
+    oldest release on which the default test suite passes (`.ci/torch_matrix.md`: below 2.9, torch's CPU
+    flex_attention does not compile, and below 2.7 torch.compile cannot trace transformers 5.24's models)."""
     installed = torch.__version__ if installed is None else installed
     if installed_release(installed) < installed_release(MINIMUM_TORCH_VERSION):
         raise UnsupportedTransformersError(
