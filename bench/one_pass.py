@@ -85,16 +85,16 @@ def build_variants(args) -> dict:
     from modeling_dint.integral_dint import uses_one_pass_attention
 
     size_kwargs = bench_common.model_size_kwargs(args)
-    models = {}
-    for name in args.variants:
+    models = bench_common.build_models(
+        {name: VARIANTS[name][:2] for name in args.variants}, size_kwargs, bench_common.DTYPES[args.dtype], args.device
+    )
+    for name, model in models.items():
         base, attn, one_pass = VARIANTS[name]
-        model = bench_common.build_model(base, size_kwargs, attn, bench_common.DTYPES[args.dtype], args.device)
         if base == "dint_fast":
             model.config.one_pass_attention = one_pass
             expected = name.startswith("dint_one_pass")
             if uses_one_pass_attention(model.config) != expected:
                 raise RuntimeError(f"{name}: uses_one_pass_attention is not {expected}")
-        models[name] = model.eval()
     return models
 
 
@@ -267,8 +267,9 @@ def main(argv=None) -> None:
         f"{machine_before['git_commit']}, {machine_before['date_utc']}. Load average (1, 5, 15 min) before: "
         f"{machine_before['load_average_1_5_15']}, after: {load_after} (other work shared the cores).",
         "",
-        f"Model: hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} softmax maps, head_dim "
-        f"{args.hidden_size // args.num_heads}, batch {args.batch_size}; {args.warmup} warm-up and {args.repeats} "
+        f"Model (size {args.size}): hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} softmax "
+        f"maps, {args.num_kv_heads} KV heads, head_dim {args.head_dim}, MLP {args.intermediate_size}, vocab "
+        f"{args.vocab_size}, batch {args.batch_size}; {args.warmup} warm-up and {args.repeats} "
         f"timed rounds per length. DINT variants agree: max |logits difference| {agreement}.",
         "",
         f"Target: dint_one_pass / fastest DiffLlama <= {RATIO_TARGET} from 4096 tokens (CPU prefill).",
