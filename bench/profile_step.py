@@ -149,8 +149,8 @@ def main() -> None:
         print(f"\n=== self time of the ops per step, ms: {first} {total_first / per_step:.2f}, {second} "
               f"{total_second / per_step:.2f} (ratio {total_first / max(total_second, 1e-9):.3f}); wall time minus "
               "the ops' self time (Python between the ops, the profiler): "
-              + ", ".join(f"{name} {1e3 * statistics.median(wall_times[name]) - sum(t for t, _ in self_times[name].values()) / per_step:.2f}"
-                          for name in names) + " ===")  # fmt: skip
+              + ", ".join(f"{name} {1e3 * statistics.mean(wall_times[name]) - sum(t for t, _ in self_times[name].values()) / per_step:.2f}"
+                          for name in names) + " (mean wall time per step minus the mean op time) ===")  # fmt: skip
         print(f"{'op':<48} {'extra ms/step':>13} {first + ' ms':>14} {second + ' ms':>14} {'calls':>13}")
         for difference, key, time_first, time_second, count_first, count_second in rows[: args.rows]:
             print(
