@@ -29,10 +29,42 @@ from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .transformers_compat import create_causal_mask
 
 
+MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
+"""The ways DINT attention computes its output (`attention_path`)."""
+
+
+def attention_path(attn_implementation: str, integral: str, one_pass_attention: bool | None) -> str:
+    """How DINT attention computes its output, from the config's `_attn_implementation`, `integral` and
+    `one_pass_attention`:
+
+    - `MATERIALIZING`: the maps A1, A2, G and A_final (eager attention, or integral "softmax", which needs G itself);
+    - `ONE_PASS`: the fast path, O1 and O2 from one attention call over each KV head's 2*head_dim-wide V
+      `[V half 1 | V half 2]` (Q.K^T once per map): `one_pass_attention` True, or None for the backends in
+      `ONE_PASS_BY_DEFAULT`;
+    - `TWO_CALLS`: the fast path, O1 and O2 from two calls over the halves of V (DiffLlama's).
+
+    The attention asks once per layer and forward, with the fields read once: a config attribute costs microseconds
+    (transformers' `__getattribute__`), three times the arithmetic of a decoding step's combination.
+    """
+    if attn_implementation == "eager" or integral == "softmax":
+        return MATERIALIZING
+    if one_pass_attention is None:
+        return ONE_PASS if attn_implementation in ONE_PASS_BY_DEFAULT else TWO_CALLS
+    if one_pass_attention is False:
+        return TWO_CALLS
+    if attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
+            f"the query/key head dim, got attn_implementation={attn_implementation!r}. Allowed: "
+            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
+        )
+    return ONE_PASS
+
+
 def uses_materializing_path(config: DintConfig) -> bool:
     """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
-    needs G itself) instead of the fast path's running mean of the signal outputs."""
-    return config._attn_implementation == "eager" or config.integral == "softmax"
+    needs G itself) instead of the fast path's running mean of the signal outputs (`attention_path`)."""
+    return attention_path(config._attn_implementation, config.integral, False) == MATERIALIZING
 
 
 ONE_PASS_ATTENTION_IMPLEMENTATIONS = ("flex_attention", "sdpa")
@@ -47,18 +79,9 @@ is not: on CPU a wider V sends it to its math kernel (3.5x slower), and on CUDA 
 def uses_one_pass_attention(config: DintConfig) -> bool:
     """Whether the fast path computes the signal and noise outputs O1, O2 in one attention call over each KV head's
     2*head_dim-wide V `[V half 1 | V half 2]` (Q.K^T once per map), instead of two calls over the halves (DiffLlama's).
-    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set."""
-    if uses_materializing_path(config) or config.one_pass_attention is False:
-        return False
-    if config.one_pass_attention is None:
-        return config._attn_implementation in ONE_PASS_BY_DEFAULT
-    if config._attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
-            f"the query/key head dim, got attn_implementation={config._attn_implementation!r}. Allowed: "
-            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
-        )
-    return True
+    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set
+    (`attention_path`)."""
+    return attention_path(config._attn_implementation, config.integral, config.one_pass_attention) == ONE_PASS
 
 
 def valid_query_rows(
@@ -552,6 +575,7 @@ __all__ = [
     "dint_attention_map",
     "document_starts",
     "segmented_running_sum",
+    "attention_path",
     "uses_materializing_path",
     "uses_one_pass_attention",
     "valid_query_rows",
