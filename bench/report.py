@@ -42,11 +42,13 @@ class Tables:
         # Results from before `--steps` timed forward and forward+backward.
         self.steps = results["settings"].get("steps", ["forward", "forward_backward"])
         self.generate = {entry["model"]: entry for entry in results.get("generate", [])}
-        self.time, self.peak, self.decode, self.notes = {}, {}, {}, {}
+        self.time, self.cpu, self.peak, self.decode, self.notes = {}, {}, {}, {}, {}
         for entry in results["steps"]:
             key = (entry["model"], entry["mode"], entry["seq_len"])
             if "time_s" in entry:
                 self.time[key] = entry["time_s"]
+            if "cpu_time_s" in entry:
+                self.cpu[key] = entry["cpu_time_s"]
             else:
                 self.notes[key] = entry["skipped"]
             if entry.get("peak_bytes"):
@@ -63,6 +65,25 @@ class Tables:
                 self.decode[key] = entry
             else:
                 self.notes[(entry["model"], "decode", entry["prompt_len"])] = entry["skipped"]
+
+    def cpu_ratios(self, model, other) -> dict:
+        """`model`'s CPU time over `other`'s (median of the per-round ratios; results from before CPU times were
+        recorded have none): `{("step", mode, N) | ("decode", prompt) | ("generate",): ratio}`."""
+        ratios = {}
+        for (name, mode, n), entry in self.cpu.items():
+            if name == model and (other, mode, n) in self.cpu:
+                ratios[("step", mode, n)] = _paired_ratio(entry["samples"], self.cpu[(other, mode, n)]["samples"])
+        for (name, prompt_len), entry in self.decode.items():
+            other_entry = self.decode.get((other, prompt_len))
+            if name == model and other_entry and "per_token_cpu_s" in entry:
+                ratios[("decode", prompt_len)] = _paired_ratio(
+                    entry["per_token_cpu_s"]["samples"], other_entry["per_token_cpu_s"]["samples"]
+                )
+        if model in self.generate and other in self.generate and "cpu_time_s" in self.generate[model]:
+            ratios[("generate",)] = _paired_ratio(
+                self.generate[model]["cpu_time_s"]["samples"], self.generate[other]["cpu_time_s"]["samples"]
+            )
+        return ratios
 
     def median(self, model, mode, seq_len):
         entry = self.time.get((model, mode, seq_len))
@@ -148,9 +169,10 @@ def targets_table(tables: Tables) -> list[str]:
 
     if {"dint_fast", "diffllama"} <= have and tables.generate:
         ratio = tables.generate_ratio("dint_fast", "diffllama")
+        cpu_ratio = tables.cpu_ratios("dint_fast", "diffllama").get(("generate",))
         met = "–" if ratio is None else ("yes" if ratio <= USER_SIZE_TARGET else "**no**")
         lines.append(f"| DINT fast / DiffLlama batched generate() (issue 31): ≤ {USER_SIZE_TARGET} | "
-                     f"{_format_ratio(ratio, 3)} | {met} |")  # fmt: skip
+                     f"{_format_ratio(ratio, 3)} (CPU time: {_format_ratio(cpu_ratio, 3)}) | {met} |")  # fmt: skip
         values = [(p, tables.decode_ratio("dint_fast", "diffllama", p)) for p in tables.prompt_lens]
         ratio, text = worst_ratio(values)
         met = "–" if ratio is None else ("yes" if ratio <= USER_SIZE_TARGET else "**no**")
@@ -242,6 +264,16 @@ def ratio_tables(tables: Tables) -> list[str]:
                   f"{entry['new_tokens']} greedy new tokens; median of the per-round ratios):", ""]  # fmt: skip
         lines += ["| " + " | ".join(label for _, label in pairs) + " |", "|" + " --- |" * len(pairs)]
         lines.append("| " + " | ".join(_format_ratio(tables.generate_ratio("dint_fast", other), 3) for other, _ in pairs) + " |")
+    cpu = {other: tables.cpu_ratios("dint_fast", other) for other, _ in pairs}
+    keys = sorted({key for ratios in cpu.values() for key in ratios}, key=lambda key: (key[0], str(key[1:])))
+    if keys:
+        lines += ["", "The same ratios by CPU time (this process's, all threads: it leaves out the time other work "
+                  "held the cores, the steadier measure on a shared machine with `--threads 1`):", ""]  # fmt: skip
+        lines += ["| step | " + " | ".join(label for _, label in pairs) + " |", "|" + " --- |" * (len(pairs) + 1)]
+        for key in keys:
+            what = {"step": lambda k: f"{STEP_LABELS[k[1]]} N={k[2]}", "decode": lambda k: f"decode per token, prompt {k[1]}",
+                    "generate": lambda k: "batched generate()"}[key[0]](key)  # fmt: skip
+            lines.append(f"| {what} | " + " | ".join(_format_ratio(cpu[other].get(key), 3) for other, _ in pairs) + " |")
     return lines
 
 

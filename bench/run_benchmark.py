@@ -141,18 +141,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def timed_region(device: str):
-    """Wall time of the block, the device synchronized on both ends, Python's cyclic garbage collector off inside
-    (a full collection over four models' objects takes tens of milliseconds and would land on whichever model runs
-    when it triggers)."""
-    timer = {"seconds": None}
+    """Wall time of the block (`seconds`), the device synchronized on both ends, and the CPU time this process spent
+    in it (`cpu_seconds`, all its threads), Python's cyclic garbage collector off inside (a full collection over four
+    models' objects takes tens of milliseconds and would land on whichever model runs when it triggers).
+
+    The CPU time leaves out the time other processes held the cores, so on a shared machine it is the steadier
+    measure with one torch thread (`--threads 1`); with several, it also counts the threads' spin-waits."""
+    timer = {"seconds": None, "cpu_seconds": None}
     collector_was_enabled = gc.isenabled()
     gc.disable()
     try:
         bench_common.synchronize(device)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         yield timer
         bench_common.synchronize(device)
         timer["seconds"] = time.perf_counter() - started
+        timer["cpu_seconds"] = time.process_time() - cpu_started
     finally:
         if collector_was_enabled:
             gc.enable()
@@ -287,6 +291,7 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                 else:
                     results.append({"model": name, "seq_len": seq_len, "mode": mode, "skipped": reason})
             samples = {name: [] for name in active}
+            cpu_samples = {name: [] for name in active}
             peaks = {name: 0 for name in active}
             failed = {}
             for repetition in range(args.warmup + args.repeats):
@@ -311,6 +316,7 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                         peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) - allocated_before)
                     if repetition >= args.warmup:
                         samples[name].append(elapsed)
+                        cpu_samples[name].append(timer["cpu_seconds"])
                 for name in active:
                     models[name].zero_grad(set_to_none=True)
             for model in models.values():
@@ -320,7 +326,8 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                     skips.mark(name, mode, seq_len, failed[name])
                     results.append({"model": name, "seq_len": seq_len, "mode": mode, "skipped": failed[name]})
                     continue
-                entry = {"model": name, "seq_len": seq_len, "mode": mode, "time_s": summarize(samples[name])}
+                entry = {"model": name, "seq_len": seq_len, "mode": mode, "time_s": summarize(samples[name]),
+                         "cpu_time_s": summarize(cpu_samples[name])}  # fmt: skip
                 if is_cuda:
                     entry["peak_bytes"] = peaks[name]
                     skips.record_peak(name, mode, seq_len, peaks[name])
@@ -356,6 +363,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                 "next_token": next_token,
                 "layers_after_prefill": bench_common.cache_layer_bytes(cache),
                 "samples": [],
+                "cpu_samples": [],
             }
             active.append(name)
         # Each sample times `--decode-block` consecutive tokens of one model (a hiccup of the host then spreads over
@@ -369,6 +377,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                         state["next_token"] = bench_common.decode_step(models[name], state["cache"], state["next_token"])
                 if block_index >= args.decode_warmup:
                     state["samples"].append(timer["seconds"] / args.decode_block)
+                    state["cpu_samples"].append(timer["cpu_seconds"] / args.decode_block)
         for name in active:
             state = states[name]
             layers_after_decode = bench_common.cache_layer_bytes(state["cache"])
@@ -378,6 +387,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                     "prompt_len": prompt_len,
                     "decoded_tokens": (args.decode_warmup + args.decode_blocks) * args.decode_block,
                     "per_token_s": summarize(state["samples"]),
+                    "per_token_cpu_s": summarize(state["cpu_samples"]),
                     "cache_bytes_after_prefill": sum(l["kv_bytes"] + l["integral_bytes"] for l in state["layers_after_prefill"]),
                     "kv_bytes_after_prefill": sum(l["kv_bytes"] for l in state["layers_after_prefill"]),
                     "integral_bytes_per_layer_after_prefill": [l["integral_bytes"] for l in state["layers_after_prefill"]],
@@ -414,6 +424,7 @@ def measure_generate(args, models: dict, log) -> list[dict]:
     )
     names = list(models)
     samples = {name: [] for name in names}
+    cpu_samples = {name: [] for name in names}
     for round_index in range(args.generate_warmup + args.generate_rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -426,6 +437,7 @@ def measure_generate(args, models: dict, log) -> list[dict]:
                 raise RuntimeError(f"{name}: generate() returned {tuple(output.shape)}")
             if round_index >= args.generate_warmup:
                 samples[name].append(timer["seconds"])
+                cpu_samples[name].append(timer["cpu_seconds"])
     log(
         f"generate B={args.generate_batch} prompt={args.generate_prompt_len} new={args.generate_new_tokens} "
         + " ".join(f"{name}={statistics.median(samples[name]):.3f}s" for name in names)
@@ -438,6 +450,7 @@ def measure_generate(args, models: dict, log) -> list[dict]:
             "prompt_len": args.generate_prompt_len,
             "new_tokens": args.generate_new_tokens,
             "time_s": summarize(samples[name]),
+            "cpu_time_s": summarize(cpu_samples[name]),
         }
         for name in names
     ]
