@@ -334,7 +334,7 @@ def _scans_in_blocks(rows: torch.Tensor, query_dim: int) -> bool:
     not vectorize the scan: 5-25x the time of one elementwise pass over the rows (bench/README.md)."""
     if query_dim != 1 or rows.shape[1] == 1 or rows.device.type != "cpu":
         return False
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if torch.compiler.is_compiling():  # torch.compile and (from torch 2.7) torch.export: their own scan
         return False
     mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
     precision = getattr(mkldnn_matmul, "fp32_precision", None)
@@ -345,8 +345,10 @@ def _scans_in_blocks(rows: torch.Tensor, query_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _lower_triangle(size: int, device: torch.device) -> torch.Tensor:
-    """`[size, size]` fp32, ones on and below the diagonal (a block's running sum as a matrix multiply)."""
-    return torch.ones(size, size, device=device).tril_()
+    """`[size, size]` fp32, ones on and below the diagonal (a block's running sum as a matrix multiply). Built as a
+    normal tensor even under `torch.inference_mode()`, so that a later training step may save it for backward."""
+    with torch.inference_mode(False):
+        return torch.ones(size, size, device=device).tril_()
 
 
 def _blocked_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:

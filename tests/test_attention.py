@@ -15,6 +15,7 @@ from modeling_dint.integral_dint import (
     _blocked_running_sum,
     _cumsum_in_place,
     _cumsum_rows_last,
+    _lower_triangle,
     _scans_in_blocks,
     document_starts,
     segmented_running_sum,
@@ -335,6 +336,19 @@ def test_blocked_running_sum_matches_the_cumulative_sum_and_its_gradient(dtype, 
         assert not _scans_in_blocks(rows, 1)
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = precision
+
+
+def test_a_model_trains_after_running_under_inference_mode():
+    """The blocked running sum's cached lower-triangular matrix, first built under `torch.inference_mode()` (a
+    pipeline, a server), must not be an inference tensor, which a training step could not save for backward."""
+    _lower_triangle.cache_clear()
+    model = tiny_model("sdpa")
+    input_ids = torch.randint(2, 128, (2, 40))
+    with torch.inference_mode():
+        model(input_ids)
+    model.train()
+    model(input_ids, labels=input_ids).loss.backward()
+    assert model.model.layers[0].self_attn.lambda_q1.grad is not None
 
 
 def test_bf16_stays_within_its_bound_of_fp32():
