@@ -334,7 +334,7 @@ def _scans_in_blocks(rows: torch.Tensor, query_dim: int) -> bool:
     not vectorize the scan: 5-25x the time of one elementwise pass over the rows (bench/README.md)."""
     if query_dim != 1 or rows.shape[1] == 1 or rows.device.type != "cpu":
         return False
-    if torch.compiler.is_compiling():  # torch.compile and (from torch 2.7) torch.export: their own scan
+    if torch.compiler.is_compiling():  # torch.compile and torch.export (is_compiling covers both): their own scan
         return False
     mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
     precision = getattr(mkldnn_matmul, "fp32_precision", None)
