@@ -231,10 +231,14 @@ class DintAttention(nn.Module):
             )
             attn_output = torch.cat([attn_output1, attn_output2], dim=-1)
         # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
-        signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
         lambda_full = self.lambda_full()
         if self.integral == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
+            signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
             return signal_output - lambda_full * noise_output
+        # The integral's sums and the combination are fp32: both outputs cast once here (exact; a no-op in fp32). An op
+        # with bf16 and fp32 operands casts its bf16 ones in copies of its own: the running sum and the two
+        # multiply-adds below made three (issue 31: DINT / DiffLlama op time 1.12 -> 1.07 in a bf16 CPU prefill).
+        signal_output, noise_output = torch.chunk(attn_output.float(), 2, dim=2)
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document, the sum
         # the cache carries from earlier calls included ---
