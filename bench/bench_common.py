@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 from modeling_dint.transformers_compat import CACHE_ARGUMENT  # `cache` from transformers 5.24, `past_key_values` before
 
@@ -32,31 +33,63 @@ MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+SIZE_PRESETS = {
+    "default": {"hidden_size": 256, "intermediate_size": 688, "num_layers": 4, "num_heads": 8, "num_kv_heads": None,
+                "head_dim": None, "vocab_size": 2048, "tie_word_embeddings": False},
+    # The size at which issue 31 found DINT slower than DiffLlama (its MLP width was not stated: 2.6875 x hidden, the
+    # default's ratio).
+    "mid": {"hidden_size": 512, "intermediate_size": 1376, "num_layers": 16, "num_heads": 8, "num_kv_heads": 4,
+            "head_dim": None, "vocab_size": 8192, "tie_word_embeddings": False},
+    # SmolLM2-135M as `examples/convert_smollm2.py` converts it (`--head-init duplicate`: its 9 heads / 3 KV heads of
+    # 64 become 18 softmax maps / 6 KV heads), with the head norm on (the architecture's default).
+    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_layers": 30, "num_heads": 18,
+                     "num_kv_heads": 6, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True},
+    # Llama-3.2-1B's shape (32 heads and 8 KV heads of 64 pair as they are).
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+           "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True},
+}
+"""The `--size` presets (random weights: nothing is downloaded). A size flag given beside `--size` overrides the
+preset's field."""
+
+
 def add_model_size_arguments(parser) -> None:
-    """The size flags every benchmark script takes (read by `model_size_kwargs`). Default model: hidden 256, 4 layers,
-    8 softmax maps (4 differential heads), head_dim 32, MLP 688, vocab 2048, batch 1."""
+    """The size flags every benchmark script takes (read by `model_size_kwargs`): `--size` picks a preset of
+    `SIZE_PRESETS` (default: hidden 256, 4 layers, 8 softmax maps (4 differential heads), head_dim 32, MLP 688, vocab
+    2048), the other flags override its fields; and the batch size (default 1)."""
+    parser.add_argument("--size", default="default", choices=sorted(SIZE_PRESETS), help="a preset of SIZE_PRESETS")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=688)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=8, help="softmax maps (DINT/DiffLlama: H/2 diff. heads)")
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--num-heads", type=int, default=None, help="softmax maps (DINT/DiffLlama: H/2 diff. heads)")
     parser.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads (must be even)")
-    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: hidden size / --num-heads")
+    parser.add_argument("--vocab-size", type=int, default=None)
+
+
+def resolve_model_size(args) -> None:
+    """Fills the size flags left unset (None) in `args` from the `--size` preset; a no-op on resolved `args`."""
+    for field, value in SIZE_PRESETS[args.size].items():
+        if getattr(args, field, None) is None:
+            setattr(args, field, value)
+    args.num_kv_heads = args.num_kv_heads or args.num_heads
+    args.head_dim = args.head_dim or args.hidden_size // args.num_heads
 
 
 def model_size_kwargs(args) -> dict:
     """The config fields shared by the four models, from the size flags (`add_model_size_arguments`) and
     `args.max_positions`."""
+    resolve_model_size(args)
     return {
         "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
         "num_hidden_layers": args.num_layers,
         "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads or args.num_heads,
-        "head_dim": args.hidden_size // args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
         "max_position_embeddings": max(args.max_positions, 64),
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "use_cache": True,
     }
 
@@ -67,44 +100,89 @@ def build_model(name: str, size_kwargs: dict, attn: str, dtype: torch.dtype, dev
     Every model is built from the same seed, so building one alone (a memory probe in a fresh process) gives the
     same weights as building all four together.
     """
+    return build_models({name: (name, attn)}, size_kwargs, dtype, device, seed)[name]
+
+
+def build_models(
+    models: dict[str, tuple[str, str]], size_kwargs: dict, dtype: torch.dtype, device: str, seed: int = 0
+) -> dict:
+    """Builds models with the weights `dint_fast` gets from `seed`, shared: every model holds the same weight tensors
+    (one copy in memory, so that three 1B models fit), DINT's lambda vectors in fp32 as `from_pretrained(dtype=...)`
+    keeps them (`_keep_in_fp32_modules_strict`).
+
+    Args:
+        models: `{label: (one of MODEL_NAMES, attention implementation)}` (`dint_eager` is always "eager").
+
+    Returns:
+        `{label: model}` in eval mode, on `device`, in `dtype`.
+    """
     from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from modeling_dint import DintConfig, DintForCausalLM
 
     torch.manual_seed(seed)
     reference = DintForCausalLM(DintConfig(**size_kwargs))
-    reference_state = reference.state_dict()
-    if name == "dint_fast":
-        model = DintForCausalLM._from_config(reference.config, attn_implementation=attn)
-        model.load_state_dict(reference_state, strict=True)
-    elif name == "dint_eager":
-        model = DintForCausalLM._from_config(reference.config, attn_implementation="eager")
-        model.load_state_dict(reference_state, strict=True)
-    elif name == "diffllama":
-        model = DiffLlamaForCausalLM._from_config(DiffLlamaConfig(**size_kwargs), attn_implementation=attn)
-        _load_shared_tensors(model, reference_state, allowed_left_out=("head_norm",))
-    elif name == "llama":
-        model = LlamaForCausalLM._from_config(LlamaConfig(**size_kwargs), attn_implementation=attn)
-        _load_shared_tensors(model, reference_state, allowed_left_out=("head_norm", "lambda_"))
-    else:
-        raise ValueError(f"model name {name!r} is not one of {MODEL_NAMES}")
-    del reference
-    return model.to(device=device, dtype=dtype)
+    keep_fp32 = set(reference._keep_in_fp32_modules_strict)
+    # One tensor per storage: the tied embedding and LM head stay one tensor after the cast.
+    converted, shared = {}, {}
+    for key, tensor in reference.state_dict().items():
+        target_dtype = torch.float32 if key.rsplit(".", 1)[-1] in keep_fp32 else dtype
+        cache_key = (tensor.data_ptr(), target_dtype)
+        if cache_key not in converted:
+            converted[cache_key] = nn.Parameter(tensor.to(device=device, dtype=target_dtype), requires_grad=True)
+        shared[key] = converted[cache_key]
+    buffers = {key: buffer.to(device) for key, buffer in reference.named_buffers()}
+    del reference, converted
+
+    classes = {
+        "dint_fast": (DintForCausalLM, DintConfig, ()),
+        "dint_eager": (DintForCausalLM, DintConfig, ()),
+        "diffllama": (DiffLlamaForCausalLM, DiffLlamaConfig, ("head_norm",)),
+        "llama": (LlamaForCausalLM, LlamaConfig, ("head_norm", "lambda_")),
+    }
+    built = {}
+    for label, (name, attn) in models.items():
+        if name not in classes:
+            raise ValueError(f"model name {name!r} is not one of {MODEL_NAMES}")
+        model_class, config_class, allowed_left_out = classes[name]
+        implementation = "eager" if name == "dint_eager" else attn
+        with torch.device("meta"):
+            model = model_class._from_config(config_class(**size_kwargs), attn_implementation=implementation)
+        _load_shared_tensors(model, shared, buffers, allowed_left_out)
+        if name == "diffllama" and dtype != torch.float32:
+            # DiffLlama keeps no tensor in fp32 (from_pretrained(dtype=...) casts its lambda vectors too).
+            for module in model.modules():
+                for attribute in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                    if isinstance(getattr(module, attribute, None), nn.Parameter):
+                        setattr(module, attribute, nn.Parameter(getattr(module, attribute).to(dtype)))
+        built[label] = model.eval()
+    return built
 
 
-def _load_shared_tensors(model, source_state: dict, allowed_left_out: tuple[str, ...]) -> None:
-    """Copies every tensor of `source_state` whose name and shape `model` has; fails if a tensor of `model` is left
-    without a source or a source tensor other than `allowed_left_out` has no target."""
+def _load_shared_tensors(model, shared: dict, buffers: dict, allowed_left_out: tuple[str, ...]) -> None:
+    """Gives `model` (built on the meta device) the tensors of `shared` whose name and shape it has, the very
+    tensors (no copy), and the reference's buffers (RoPE's inverse frequencies, not in a state dict) by name; fails
+    if a tensor of `model` is left without a source or a source tensor other than `allowed_left_out` has no target."""
     target_state = model.state_dict()
-    shared = {k: v for k, v in source_state.items() if k in target_state and target_state[k].shape == v.shape}
-    left_out = [k for k in source_state if k not in shared and not any(part in k for part in allowed_left_out)]
-    missing = [k for k in target_state if k not in shared]
+    matching = {k: v for k, v in shared.items() if k in target_state and target_state[k].shape == v.shape}
+    left_out = [k for k in shared if k not in matching and not any(part in k for part in allowed_left_out)]
+    missing = [k for k in target_state if k not in matching]
     if left_out or missing:
         raise RuntimeError(
             f"{type(model).__name__}: weights could not be copied one to one (source tensors without target: "
             f"{left_out[:5]}, target tensors without source: {missing[:5]})"
         )
-    model.load_state_dict(shared, strict=True)
+    model.load_state_dict(matching, strict=True, assign=True)
+    for key, buffer in model.named_buffers():
+        if buffer.is_meta:
+            module_name, _, buffer_name = key.rpartition(".")
+            source = buffers.get(key)
+            if source is None or source.shape != buffer.shape:
+                raise RuntimeError(f"{type(model).__name__}: buffer {key} has no source of its shape")
+            model.get_submodule(module_name)._buffers[buffer_name] = source
+    still_meta = [key for key, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if still_meta:
+        raise RuntimeError(f"{type(model).__name__}: tensors left on the meta device: {still_meta[:5]}")
 
 
 def synchronize(device: str) -> None:

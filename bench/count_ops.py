@@ -41,10 +41,12 @@ class CountOps(TorchDispatchMode):
 STEPS = ("forward", "forward_backward", "decode")
 
 
-def count_model_ops(model, input_ids: torch.Tensor) -> dict[str, collections.Counter]:
+def count_model_ops(model, input_ids: torch.Tensor, steps=STEPS) -> dict[str, collections.Counter]:
     """Non-view aten ops, by name, of one forward, one forward+backward and one decode step (after a prompt of
-    `input_ids`) of `model`; a warm-up step first, so that lazy initializations are not counted."""
-    bench_common.train_step(model, input_ids)
+    `input_ids`) of `model`, or of the `steps` among them; a warm-up step first, so that lazy initializations are not
+    counted."""
+    if "forward_backward" in steps:
+        bench_common.train_step(model, input_ids)
     cache, next_token = bench_common.prefill(model, input_ids)
     runs = {
         "forward": lambda: bench_common.forward_step(model, input_ids),
@@ -52,7 +54,7 @@ def count_model_ops(model, input_ids: torch.Tensor) -> dict[str, collections.Cou
         "decode": lambda: bench_common.decode_step(model, cache, next_token),
     }
     counts = {}
-    for step in STEPS:
+    for step in steps:
         with CountOps() as counter:
             runs[step]()
         counts[step] = counter.counts

@@ -1,11 +1,15 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The running sum over query rows in isolation: the package's `segmented_running_sum` (one document, and packed
-documents) against the scans it chooses between and a blocked-matmul scan, forward and forward+backward.
+documents) against the scans it chooses between, forward and forward+backward.
 
+    python bench/micro_running_sum.py --seq-lens 128,2048,8192 --heads 9 --channels 128      # CPU (issue 31)
     python bench/micro_running_sum.py --device cuda --seq-lens 2048,8192,32768 --heads 8 --channels 128
 
-The tensor is `[B, heads, T, channels]` fp32, as the fast path's O1 (`heads` = H/2 differential heads, `channels` =
-2 * head_dim). Times are medians over `--repeats` calls, in milliseconds, with the device synchronized.
+The tensor is `[B, T, heads, channels]` fp32, as the fast path's O1 (`heads` = H/2 differential heads, `channels` =
+2 * head_dim). On a CPU the package sums in blocks of matrix multiplies (`_blocked_running_sum`); elsewhere it scans
+with the rows last. Times are medians over `--repeats` calls, in milliseconds: CPU time of this process on a CPU (the
+steadier measure where other work shares the cores; run with `--threads 1`), wall time with the device synchronized on
+CUDA.
 """
 
 import argparse
@@ -16,28 +20,20 @@ import torch
 
 
 def in_place_cumsum(rows):
-    """A scan along dim -2 (T), whose stride is `channels`: what the package runs on CPU."""
-    return rows.cumsum(dim=-2)
+    """torch's cumsum along dim 1 (T, whose stride is heads * channels): the CPU scan before issue 31."""
+    return rows.cumsum(dim=1)
 
 
 def rows_last_cumsum(rows):
     """The same prefix sum over a copy with T innermost and contiguous: what the package runs on CUDA."""
-    return rows.transpose(-1, -2).contiguous().cumsum(dim=-1).transpose(-1, -2)
+    return rows.movedim(1, -1).contiguous().cumsum(dim=-1).movedim(-1, 1)
 
 
-def blocked_cumsum(rows, block: int = 128):
-    """Prefix sum as a matmul with a lower-triangular block of ones inside each block of rows, plus the exclusive
-    prefix of the block totals (a short scan over T / block blocks)."""
-    batch, heads, length, channels = rows.shape
-    padded = -length % block
-    if padded:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded))
-    blocks = rows.view(batch, heads, -1, block, channels)
-    lower = torch.ones(block, block, device=rows.device, dtype=rows.dtype).tril()
-    within = torch.matmul(lower, blocks)
-    totals = within[..., -1, :]
-    offsets = totals.cumsum(dim=-2) - totals
-    return (within + offsets[..., None, :]).view(batch, heads, -1, channels)[:, :, :length]
+def blocked_running_sum(rows):
+    """The package's CPU path alone: blocks of `SCAN_BLOCK_ROWS` rows summed by a lower-triangular matrix."""
+    from modeling_dint.integral_dint import _blocked_running_sum
+
+    return _blocked_running_sum(rows, None)
 
 
 _LAYOUTS = {}
@@ -45,11 +41,10 @@ _LAYOUTS = {}
 
 def package_running_sum(rows, documents: int = 1):
     """The package's `segmented_running_sum` with the layout a forward builds (once per forward, shared by the layers:
-    built once here too): one document per row (no caller's position ids: a scan and nothing else), or `documents`
-    packed documents (the scan plus a gather)."""
+    built once here too): one document per row (no caller's position ids), or `documents` packed documents."""
     from modeling_dint import DintIntegralLayout, segmented_running_sum
 
-    batch, _, length, _ = rows.shape
+    batch, length = rows.shape[:2]
     key = (batch, length, documents, rows.device)
     if key not in _LAYOUTS:
         document_start = None
@@ -57,29 +52,30 @@ def package_running_sum(rows, documents: int = 1):
             document_start = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
             document_start[:, :: max(length // documents, 1)] = True
         _LAYOUTS[key] = DintIntegralLayout.build(None, document_start, None, batch, length, rows.device)
-    return segmented_running_sum(rows, _LAYOUTS[key], query_dim=2)
+    return segmented_running_sum(rows, _LAYOUTS[key], query_dim=1)
 
 
 VARIANTS = {
     "segmented_running_sum, 1 document": package_running_sum,
     "segmented_running_sum, 4 documents": lambda rows: package_running_sum(rows, documents=4),
-    "cumsum along T in place (CPU)": in_place_cumsum,
+    "blocked matmuls (the CPU path)": blocked_running_sum,
+    "cumsum along T in place": in_place_cumsum,
     "cumsum with T innermost (CUDA)": rows_last_cumsum,
-    "blocked matmul scan (block 128)": blocked_cumsum,
 }
 
 
 def time_ms(function, device: str, repeats: int) -> float:
+    clock = time.perf_counter if device.startswith("cuda") else time.process_time
     samples = []
     for index in range(repeats + 2):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        started = time.perf_counter()
+        started = clock()
         function()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         if index >= 2:
-            samples.append(1e3 * (time.perf_counter() - started))
+            samples.append(1e3 * (clock() - started))
     return statistics.median(samples)
 
 
@@ -91,14 +87,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the blocked scan must stay fp32-exact enough to compare
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False
 
-    print(f"device={args.device} batch={args.batch_size} heads={args.heads} channels={args.channels}; ms, median")
+    print(f"device={args.device} batch={args.batch_size} heads={args.heads} channels={args.channels} threads="
+          f"{torch.get_num_threads()}; ms ({'wall' if args.device.startswith('cuda') else 'CPU'} time), median")
     print(f"{'variant':<38} {'T':>7} {'forward':>10} {'fwd+bwd':>10} {'max |err| vs fp64':>18}")
     for length in (int(n) for n in args.seq_lens.split(",")):
-        rows = torch.randn(args.batch_size, args.heads, length, args.channels, device=args.device)
-        reference = rows.double().cumsum(dim=-2)
+        rows = torch.randn(args.batch_size, length, args.heads, args.channels, device=args.device)
+        reference = rows.double().cumsum(dim=1)
         for name, function in VARIANTS.items():
             leaf = rows.clone().requires_grad_(True)
             forward = time_ms(lambda: function(rows), args.device, args.repeats)

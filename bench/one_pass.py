@@ -85,16 +85,16 @@ def build_variants(args) -> dict:
     from modeling_dint.integral_dint import uses_one_pass_attention
 
     size_kwargs = bench_common.model_size_kwargs(args)
-    models = {}
-    for name in args.variants:
+    models = bench_common.build_models(
+        {name: VARIANTS[name][:2] for name in args.variants}, size_kwargs, bench_common.DTYPES[args.dtype], args.device
+    )
+    for name, model in models.items():
         base, attn, one_pass = VARIANTS[name]
-        model = bench_common.build_model(base, size_kwargs, attn, bench_common.DTYPES[args.dtype], args.device)
         if base == "dint_fast":
             model.config.one_pass_attention = one_pass
             expected = name.startswith("dint_one_pass")
             if uses_one_pass_attention(model.config) != expected:
                 raise RuntimeError(f"{name}: uses_one_pass_attention is not {expected}")
-        models[name] = model.eval()
     return models
 
 
@@ -124,6 +124,7 @@ def measure(args, models: dict, log) -> list[dict]:
                 for model in models.values():
                     model.train()
             samples = {name: [] for name in active}
+            cpu_samples = {name: [] for name in active}
             for round_index in range(args.warmup + args.repeats):
                 shift = round_index % len(active)
                 for name in active[shift:] + active[:shift]:
@@ -132,11 +133,13 @@ def measure(args, models: dict, log) -> list[dict]:
                         step(models[name], input_ids)
                     if round_index >= args.warmup:
                         samples[name].append(timer["seconds"])
+                        cpu_samples[name].append(timer["cpu_seconds"])
                     models[name].zero_grad(set_to_none=True)
             for model in models.values():
                 model.eval()
             for name in active:
-                results.append({"model": name, "seq_len": seq_len, "step": step_name, "samples": samples[name]})
+                results.append({"model": name, "seq_len": seq_len, "step": step_name, "samples": samples[name],
+                                "cpu_samples": cpu_samples[name]})  # fmt: skip
             log(
                 f"N={seq_len:>6} {step_name:<16} "
                 + " ".join(f"{name}={statistics.median(samples[name]):.3f}s" for name in active)
@@ -164,14 +167,19 @@ def matmul_flops(args, seq_len: int, step: str, one_pass: bool) -> float:
 
 def ratio_table(results: list[dict], args) -> list[str]:
     by_key = {(r["model"], r["step"], r["seq_len"]): r["samples"] for r in results}
+    cpu_by_key = {(r["model"], r["step"], r["seq_len"]): r["cpu_samples"] for r in results if "cpu_samples" in r}
 
-    def ratio(model, other, step, seq_len):
-        if (model, step, seq_len) not in by_key or (other, step, seq_len) not in by_key:
+    def ratio(model, other, step, seq_len, samples=by_key):
+        if (model, step, seq_len) not in samples or (other, step, seq_len) not in samples:
             return None
-        return _paired_ratio(by_key[(model, step, seq_len)], by_key[(other, step, seq_len)])
+        return _paired_ratio(samples[(model, step, seq_len)], samples[(other, step, seq_len)])
 
     def fmt(value):
         return "–" if value is None else f"{value:.3f}"
+
+    def fmt_both(model, other, step, seq_len):  # wall time (CPU time)
+        cpu = ratio(model, other, step, seq_len, cpu_by_key)
+        return fmt(ratio(model, other, step, seq_len)) + ("" if cpu is None else f" ({fmt(cpu)})")
 
     lines = []
     for step in args.steps:
@@ -191,7 +199,7 @@ def ratio_table(results: list[dict], args) -> list[str]:
                     f"{statistics.median(samples):.3f} [{min(samples):.3f}–{max(samples):.3f}]" if samples else "–"
                 )
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", "Paired ratios (median over rounds of the per-round ratio):", ""]
+        lines += ["", "Paired ratios (median over rounds of the per-round ratio), wall time (CPU time of the process):", ""]
         lines += ["| ratio | " + " | ".join(f"N={n}" for n in args.seq_lens) + " |"]
         lines += ["| --- |" + " --- |" * len(args.seq_lens)]
         pairs = []
@@ -202,7 +210,7 @@ def ratio_table(results: list[dict], args) -> list[str]:
         for model, other in pairs:
             values = [ratio(model, other, step, n) for n in args.seq_lens]
             if any(value is not None for value in values):
-                lines.append(f"| {model} / {other} | " + " | ".join(fmt(v) for v in values) + " |")
+                lines.append(f"| {model} / {other} | " + " | ".join(fmt_both(model, other, step, n) for n in args.seq_lens) + " |")
         best = []
         for n in args.seq_lens:
             medians = {d: statistics.median(by_key[(d, step, n)]) for d in DIFFLLAMA_VARIANTS if (d, step, n) in by_key}
@@ -267,8 +275,9 @@ def main(argv=None) -> None:
         f"{machine_before['git_commit']}, {machine_before['date_utc']}. Load average (1, 5, 15 min) before: "
         f"{machine_before['load_average_1_5_15']}, after: {load_after} (other work shared the cores).",
         "",
-        f"Model: hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} softmax maps, head_dim "
-        f"{args.hidden_size // args.num_heads}, batch {args.batch_size}; {args.warmup} warm-up and {args.repeats} "
+        f"Model (size {args.size}): hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads} softmax "
+        f"maps, {args.num_kv_heads} KV heads, head_dim {args.head_dim}, MLP {args.intermediate_size}, vocab "
+        f"{args.vocab_size}, batch {args.batch_size}; {args.warmup} warm-up and {args.repeats} "
         f"timed rounds per length. DINT variants agree: max |logits difference| {agreement}.",
         "",
         f"Target: dint_one_pass / fastest DiffLlama <= {RATIO_TARGET} from 4096 tokens (CPU prefill).",

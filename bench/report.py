@@ -26,6 +26,9 @@ MODEL_STYLES = {
 }
 RATIO_TARGET = 1.05
 TARGET_FROM_LENGTH = 2048
+USER_SIZE_TARGET = 1.02
+"""Issue 31: DINT fast / DiffLlama for batched generate() and per-token decode at the sizes users run."""
+STEP_LABELS = {"forward": "forward", "forward_backward": "forward+backward", "prefill": "prefill"}
 
 
 class Tables:
@@ -36,11 +39,16 @@ class Tables:
         self.models = results["settings"]["models"]
         self.seq_lens = results["settings"]["seq_lens"]
         self.prompt_lens = results["settings"]["prompt_lens"]
-        self.time, self.peak, self.decode, self.notes = {}, {}, {}, {}
+        # Results from before `--steps` timed forward and forward+backward.
+        self.steps = results["settings"].get("steps", ["forward", "forward_backward"])
+        self.generate = {entry["model"]: entry for entry in results.get("generate", [])}
+        self.time, self.cpu, self.peak, self.decode, self.notes = {}, {}, {}, {}, {}
         for entry in results["steps"]:
             key = (entry["model"], entry["mode"], entry["seq_len"])
             if "time_s" in entry:
                 self.time[key] = entry["time_s"]
+            if "cpu_time_s" in entry:
+                self.cpu[key] = entry["cpu_time_s"]
             else:
                 self.notes[key] = entry["skipped"]
             if entry.get("peak_bytes"):
@@ -58,6 +66,25 @@ class Tables:
             else:
                 self.notes[(entry["model"], "decode", entry["prompt_len"])] = entry["skipped"]
 
+    def cpu_ratios(self, model, other) -> dict:
+        """`model`'s CPU time over `other`'s (median of the per-round ratios; results from before CPU times were
+        recorded have none): `{("step", mode, N) | ("decode", prompt) | ("generate",): ratio}`."""
+        ratios = {}
+        for (name, mode, n), entry in self.cpu.items():
+            if name == model and (other, mode, n) in self.cpu:
+                ratios[("step", mode, n)] = _paired_ratio(entry["samples"], self.cpu[(other, mode, n)]["samples"])
+        for (name, prompt_len), entry in self.decode.items():
+            other_entry = self.decode.get((other, prompt_len))
+            if name == model and other_entry and "per_token_cpu_s" in entry:
+                ratios[("decode", prompt_len)] = _paired_ratio(
+                    entry["per_token_cpu_s"]["samples"], other_entry["per_token_cpu_s"]["samples"]
+                )
+        if model in self.generate and other in self.generate and "cpu_time_s" in self.generate[model]:
+            ratios[("generate",)] = _paired_ratio(
+                self.generate[model]["cpu_time_s"]["samples"], self.generate[other]["cpu_time_s"]["samples"]
+            )
+        return ratios
+
     def median(self, model, mode, seq_len):
         entry = self.time.get((model, mode, seq_len))
         return None if entry is None else entry["median"]
@@ -70,6 +97,12 @@ class Tables:
         """`model`'s time over `other`'s: the median of the per-repetition ratios (None if either is missing)."""
         entries = self.time.get((model, mode, seq_len)), self.time.get((other, mode, seq_len))
         return None if None in entries else _paired_ratio(entries[0]["samples"], entries[1]["samples"])
+
+    def generate_ratio(self, model, other):
+        """`model`'s generate() time over `other`'s: the median of the per-round ratios."""
+        if model not in self.generate or other not in self.generate:
+            return None
+        return _paired_ratio(self.generate[model]["time_s"]["samples"], self.generate[other]["time_s"]["samples"])
 
     def decode_ratio(self, model, other, prompt_len):
         """`model`'s per-token latency over `other`'s: the median of the per-sample ratios."""
@@ -95,8 +128,8 @@ def _ratio(numerator, denominator) -> str:
     return _format_ratio(numerator / denominator)
 
 
-def _format_ratio(ratio) -> str:
-    return "–" if ratio is None else f"{ratio:.2f}"
+def _format_ratio(ratio, digits=2) -> str:
+    return "–" if ratio is None else f"{ratio:.{digits}f}"
 
 
 def _seconds(entry, scale=1.0, digits=3) -> str:
@@ -134,12 +167,25 @@ def targets_table(tables: Tables) -> list[str]:
         text = ", ".join(f"{r:.3f} @ {length}" for length, r in values)
         return ratio, f"worst {ratio:.3f} (N={n}); all: {text}"
 
+    if {"dint_fast", "diffllama"} <= have and tables.generate:
+        ratio = tables.generate_ratio("dint_fast", "diffllama")
+        cpu_ratio = tables.cpu_ratios("dint_fast", "diffllama").get(("generate",))
+        met = "–" if ratio is None else ("yes" if ratio <= USER_SIZE_TARGET else "**no**")
+        lines.append(f"| DINT fast / DiffLlama batched generate() (issue 31): ≤ {USER_SIZE_TARGET} | "
+                     f"{_format_ratio(ratio, 3)} (CPU time: {_format_ratio(cpu_ratio, 3)}) | {met} |")  # fmt: skip
+        values = [(p, tables.decode_ratio("dint_fast", "diffllama", p)) for p in tables.prompt_lens]
+        ratio, text = worst_ratio(values)
+        met = "–" if ratio is None else ("yes" if ratio <= USER_SIZE_TARGET else "**no**")
+        lines.append(f"| DINT fast / DiffLlama decode per token, every prompt (issue 31): ≤ {USER_SIZE_TARGET} | "
+                     f"{text} | {met} |")  # fmt: skip
     if {"dint_fast", "diffllama"} <= have:
-        for mode, label in (("forward_backward", "forward+backward"), ("forward", "forward")):
+        for mode, label in (("forward_backward", "forward+backward"), ("forward", "forward"), ("prefill", "prefill")):
+            if mode not in tables.steps:
+                continue
             values = [(n, tables.time_ratio("dint_fast", "diffllama", mode, n))
                       for n in tables.seq_lens if n >= TARGET_FROM_LENGTH]  # fmt: skip
             ratio, text = worst_ratio(values)
-            met = "–" if ratio is None or mode == "forward" else ("yes" if ratio <= RATIO_TARGET else "**no**")
+            met = "–" if ratio is None or mode != "forward_backward" else ("yes" if ratio <= RATIO_TARGET else "**no**")
             goal = f"≤ {RATIO_TARGET}" if mode == "forward_backward" else "(no target, shown)"
             lines.append(f"| DINT fast / DiffLlama time, {label}, N ≥ {TARGET_FROM_LENGTH}: {goal} | {text} | {met} |")
         values = [(p, tables.decode_ratio("dint_fast", "diffllama", p))
@@ -151,6 +197,8 @@ def targets_table(tables: Tables) -> list[str]:
         if model not in have:
             continue
         for mode in ("forward_backward", "forward"):
+            if mode not in tables.steps:
+                continue
             points = [(n, tables.peak.get((model, mode, n))) for n in tables.seq_lens]
             slope = _slope(points)
             measured = [n for n, v in points if v]
@@ -186,15 +234,19 @@ def ratio_tables(tables: Tables) -> list[str]:
     if "dint_fast" not in tables.models:
         return []
     header = ["N"]
-    for mode_label in ("fwd time", "fwd+bwd time", "fwd+bwd peak mem"):
-        header += [f"{mode_label} {label}" for _, label in pairs]
+    for mode in tables.steps:
+        header += [f"{STEP_LABELS[mode]} time {label}" for _, label in pairs]
+    with_memory = "forward_backward" in tables.steps
+    if with_memory:
+        header += [f"fwd+bwd peak mem {label}" for _, label in pairs]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for n in tables.seq_lens:
         row = [str(n)]
-        for mode in ("forward", "forward_backward"):
+        for mode in tables.steps:
             row += [_format_ratio(tables.time_ratio("dint_fast", other, mode, n)) for other, _ in pairs]
-        row += [_ratio(tables.peak.get(("dint_fast", "forward_backward", n)), tables.peak.get((other, "forward_backward", n)))
-                for other, _ in pairs]  # fmt: skip
+        if with_memory:
+            row += [_ratio(tables.peak.get(("dint_fast", "forward_backward", n)), tables.peak.get((other, "forward_backward", n)))
+                    for other, _ in pairs]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Decode (per-token latency with the cache; cache = keys + values + integral state):", ""]
     header = ["prompt"] + [f"latency {label}" for _, label in pairs] + [f"cache bytes {label}" for _, label in pairs]
@@ -206,6 +258,22 @@ def ratio_tables(tables: Tables) -> list[str]:
             entry = tables.decode.get((other, p))
             row.append(_ratio(fast and fast["cache_bytes_after_prefill"], entry and entry["cache_bytes_after_prefill"]))
         lines.append("| " + " | ".join(row) + " |")
+    if tables.generate:
+        entry = next(iter(tables.generate.values()))
+        lines += ["", f"Batched generate() ({entry['batch_size']} prompts of {entry['prompt_len']} tokens, "
+                  f"{entry['new_tokens']} greedy new tokens; median of the per-round ratios):", ""]  # fmt: skip
+        lines += ["| " + " | ".join(label for _, label in pairs) + " |", "|" + " --- |" * len(pairs)]
+        lines.append("| " + " | ".join(_format_ratio(tables.generate_ratio("dint_fast", other), 3) for other, _ in pairs) + " |")
+    cpu = {other: tables.cpu_ratios("dint_fast", other) for other, _ in pairs}
+    keys = sorted({key for ratios in cpu.values() for key in ratios}, key=lambda key: (key[0], str(key[1:])))
+    if keys:
+        lines += ["", "The same ratios by CPU time (this process's, all threads: it leaves out the time other work "
+                  "held the cores, the steadier measure on a shared machine with `--threads 1`):", ""]  # fmt: skip
+        lines += ["| step | " + " | ".join(label for _, label in pairs) + " |", "|" + " --- |" * (len(pairs) + 1)]
+        for key in keys:
+            what = {"step": lambda k: f"{STEP_LABELS[k[1]]} N={k[2]}", "decode": lambda k: f"decode per token, prompt {k[1]}",
+                    "generate": lambda k: "batched generate()"}[key[0]](key)  # fmt: skip
+            lines.append(f"| {what} | " + " | ".join(_format_ratio(cpu[other].get(key), 3) for other, _ in pairs) + " |")
     return lines
 
 
@@ -214,9 +282,18 @@ def absolute_tables(tables: Tables) -> list[str]:
     lines = ["Time per step, seconds: median [min–max] over the repetitions.", ""]
     lines += ["| N | step | " + " | ".join(MODEL_LABELS[m] for m in models) + " |", "|" + " --- |" * (len(models) + 2)]
     for n in tables.seq_lens:
-        for mode in ("forward", "forward_backward"):
+        for mode in tables.steps:
             cells = [_seconds(tables.time.get((m, mode, n))) for m in models]
-            lines.append(f"| {n} | {mode.replace('_', '+')} | " + " | ".join(cells) + " |")
+            lines.append(f"| {n} | {STEP_LABELS[mode]} | " + " | ".join(cells) + " |")
+    if tables.generate:
+        lines += ["", "Batched generate(): seconds per call, median [min–max] over the rounds; new tokens per second:",
+                  ""]  # fmt: skip
+        lines += ["| | " + " | ".join(MODEL_LABELS[m] for m in models if m in tables.generate) + " |",
+                  "|" + " --- |" * (1 + sum(m in tables.generate for m in models))]  # fmt: skip
+        generated = [tables.generate[m] for m in models if m in tables.generate]
+        lines.append("| seconds | " + " | ".join(_seconds(entry["time_s"]) for entry in generated) + " |")
+        lines.append("| tokens/s | " + " | ".join(
+            f"{entry['batch_size'] * entry['new_tokens'] / entry['time_s']['median']:.1f}" for entry in generated) + " |")
     if not any(tables.peak.values()):
         lines += ["", "Peak memory: not measured in this run (--no-memory)."]
     else:
@@ -225,7 +302,7 @@ def absolute_tables(tables: Tables) -> list[str]:
         lines += ["| N | step | " + " | ".join(MODEL_LABELS[m] for m in models) + " |",
                   "|" + " --- |" * (len(models) + 2)]  # fmt: skip
         for n in tables.seq_lens:
-            for mode in ("forward", "forward_backward"):
+            for mode in tables.steps:
                 cells = [_mib(tables.peak.get((m, mode, n))) for m in models]
                 lines.append(f"| {n} | {mode.replace('_', '+')} | " + " | ".join(cells) + " |")
     lines += ["", "Decode: per-token latency, ms, median [min–max]; cache after the prompt, MiB (of which the integral "
@@ -262,6 +339,8 @@ def op_count_table(results: dict) -> list[str]:
         "|" + " --- |" * (len(models) + 1 + compare),
     ]
     for step in ("forward", "forward_backward", "decode"):
+        if any(step not in counts[m] for m in models):
+            continue
         row = [step.replace("_", "+")] + [str(counts[m][step]) for m in models]
         if compare:
             row.append(f"{(counts['dint_fast'][step] - counts['diffllama'][step]) / layers:+.1f}")
@@ -296,18 +375,22 @@ def render_markdown(results: dict) -> str:
             else "."
         ),
         "",
-        f"Model ({', '.join(MODEL_LABELS[m] for m in results['parameters'])}): hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"Model ({', '.join(MODEL_LABELS[m] for m in results['parameters'])}; size {settings.get('size', 'default')}): hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} softmax maps ({config['num_attention_heads'] // 2} differential heads for "
         f"DINT/DiffLlama), {config['num_key_value_heads']} KV heads, head_dim {config['head_dim']}, MLP "
-        f"{config['intermediate_size']}, vocab {config['vocab_size']}, batch {settings['batch_size']}; parameters "
+        f"{config['intermediate_size']}, vocab {config['vocab_size']}"
+        + (", tied embeddings" if config.get("tie_word_embeddings") else "")
+        + f", batch {settings['batch_size']}; parameters "
         + ", ".join(f"{MODEL_LABELS[m]} {n:,}" for m, n in results["parameters"].items())
         + ". Weights copied from DINT where shapes allow.",
         "",
         f"Method: {settings['warmup']} warm-up + {settings['repeats']} timed repetitions per model and length, the "
-        f"models run round-robin inside each repetition (order rotated); decode: {settings['decode_warmup']} warm-up + "
+        f"models run round-robin inside each repetition (order rotated); steps {', '.join(tables.steps)}; decode: {settings['decode_warmup']} warm-up + "
         f"{settings['decode_blocks']} timed samples of {settings['decode_block']} consecutive greedy tokens per model, "
         "round-robin, the Python garbage collector off while timing. Forward = no-grad pass over the sequence; "
-        "forward+backward = LM loss and backward.",
+        "forward+backward = LM loss and backward; prefill = no-grad pass with a fresh cache, last position's logits"
+        + (f"; generate: {settings['generate_warmup']} warm-up + {settings['generate_rounds']} timed rounds of one "
+           "generate() call per model, round-robin." if tables.generate else "."),
         "",
         "Sanity: "
         + (", ".join(f"{k} = {v:.2e}" for k, v in results["sanity"].items()) or "not run (needs DINT fast and eager)"),
@@ -363,10 +446,9 @@ def render_plot(results: dict, path: str) -> None:
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
 
-    plot_models(axes[0, 0], lambda m: [(n, tables.median(m, "forward", n)) for n in tables.seq_lens],
-                "forward time", "s")  # fmt: skip
-    plot_models(axes[0, 1], lambda m: [(n, tables.median(m, "forward_backward", n)) for n in tables.seq_lens],
-                "forward+backward time", "s")  # fmt: skip
+    for axis, mode in zip((axes[0, 0], axes[0, 1]), tables.steps):
+        plot_models(axis, lambda m, mode=mode: [(n, tables.median(m, mode, n)) for n in tables.seq_lens],
+                    f"{STEP_LABELS[mode]} time", "s")  # fmt: skip
     plot_models(axes[0, 2], lambda m: [(n, _to_mib(tables.peak.get((m, "forward_backward", n)))) for n in tables.seq_lens],
                 "peak memory, forward+backward", "MiB")  # fmt: skip
     plot_models(axes[0, 3], lambda m: [(n, _to_mib(tables.peak.get((m, "forward", n)))) for n in tables.seq_lens],
@@ -375,7 +457,7 @@ def render_plot(results: dict, path: str) -> None:
         axis.set_xlabel("sequence length N")
 
     ratio_axis = axes[1, 0]
-    for mode, style in (("forward", ":"), ("forward_backward", "-")):
+    for mode, style in zip(tables.steps, (":", "-", "-.")):
         points = [(n, tables.time_ratio("dint_fast", "diffllama", mode, n)) for n in tables.seq_lens]
         points = [(n, ratio) for n, ratio in points if ratio]
         if points:

@@ -11,7 +11,14 @@ transformers' DiffLlama and Llama, and measures in one run:
    neighbour's load falls on all models alike;
 3. decode: the prompt fills a cache, then greedy tokens one at a time, round-robin over the models; per-token latency,
    the cache's bytes and the integral state's bytes per layer (every tensor of a cache layer beside keys/values);
-4. the tensor ops each model dispatches per step (`count_ops.py`): what a launch-bound GPU pays per op.
+4. batched `generate()` (with `--generate-rounds`): a batch of prompts, greedy new tokens, one whole call per model
+   and round, round-robin (issue 31);
+5. the tensor ops each model dispatches per step (`count_ops.py`): what a launch-bound GPU pays per op.
+
+`--steps` picks the whole-sequence steps of 2: `forward`, `forward_backward` (the default pair) and `prefill` (no
+gradient, a fresh cache, the last position's logits: what generate() does first). `--size` picks a model size of
+`bench_common.SIZE_PRESETS` (SmolLM2-135M's and a 1B shape among them; random weights, nothing downloaded); the models
+share one copy of the weights.
 
 Writes `results.json` (raw samples, machine, versions), `results.md` (ratio and absolute tables) and `results.png`
 to `--output-dir` (default `bench/results/<device>_<dtype>/`, the committed results; with `--quick`,
@@ -48,7 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--attn", default="sdpa", help="backend of dint_fast, diffllama and llama (sdpa, flash_attention_2, ...)"
     )
     parser.add_argument("--models", default=",".join(bench_common.MODEL_NAMES), help="comma-separated subset")
-    parser.add_argument("--seq-lens", default=None, help="forward / forward+backward lengths, comma-separated")
+    parser.add_argument("--seq-lens", default=None, help="lengths of the --steps, comma-separated")
+    parser.add_argument(
+        "--steps", default="forward,forward_backward", help="comma-separated: forward, forward_backward, prefill"
+    )
     parser.add_argument("--prompt-lens", default=None, help="decode prompt lengths, comma-separated")
     bench_common.add_model_size_arguments(parser)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per model and length")
@@ -56,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-warmup", type=int, default=2, help="untimed decode samples (blocks)")
     parser.add_argument("--decode-blocks", type=int, default=16, help="timed decode samples per model and prompt")
     parser.add_argument("--decode-block", type=int, default=4, help="consecutive tokens per decode sample")
+    parser.add_argument("--generate-rounds", type=int, default=0, help="timed generate() rounds (0: no generate phase)")
+    parser.add_argument("--generate-warmup", type=int, default=1, help="untimed generate() rounds")
+    parser.add_argument("--generate-batch", type=int, default=8, help="prompts per generate() call")
+    parser.add_argument("--generate-prompt-len", type=int, default=128, help="tokens per generate() prompt")
+    parser.add_argument("--generate-new-tokens", type=int, default=32, help="greedy tokens each prompt gets")
     parser.add_argument(
         "--memory-budget-gb",
         type=float,
@@ -95,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seq_lens = [int(n) for n in (args.seq_lens or default_lens).split(",")]
     args.prompt_lens = [int(n) for n in (args.prompt_lens or "128,512,2048,4096,8192").split(",")]
     args.models = [name.strip() for name in args.models.split(",")]
+    args.steps = [step.strip() for step in args.steps.split(",") if step.strip()]
+    unknown_steps = [step for step in args.steps if step not in STEPS]
+    if unknown_steps:
+        parser.error(f"--steps: {unknown_steps} not among {list(STEPS)}")
     unknown = [name for name in args.models if name not in bench_common.MODEL_NAMES]
     if unknown:
         parser.error(f"--models: {unknown} not among {bench_common.MODEL_NAMES}")
@@ -105,9 +124,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.memory_budget_gb = 10.0
     if args.eager_max_len is None:
         args.eager_max_len = 0 if is_cuda else 4096
-    args.max_positions = max(args.seq_lens + [p + (args.decode_warmup + args.decode_blocks) * args.decode_block + 1 for p in args.prompt_lens])
+    args.max_positions = max(
+        args.seq_lens
+        + [p + (args.decode_warmup + args.decode_blocks) * args.decode_block + 1 for p in args.prompt_lens]
+        + [args.generate_prompt_len + args.generate_new_tokens]
+    )
     if args.output_dir is None:
-        run_name = f"{args.device.split(':')[0]}_{args.dtype}"
+        run_name = f"{args.device.split(':')[0]}_{args.dtype}" + ("" if args.size == "default" else f"_{args.size}")
         # --quick (a smoke run) must not overwrite the committed results the READMEs link: outputs/ is git-ignored.
         args.output_dir = (
             os.path.join("outputs", "bench", f"{run_name}_quick") if args.quick
@@ -118,18 +141,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def timed_region(device: str):
-    """Wall time of the block, the device synchronized on both ends, Python's cyclic garbage collector off inside
-    (a full collection over four models' objects takes tens of milliseconds and would land on whichever model runs
-    when it triggers)."""
-    timer = {"seconds": None}
+    """Wall time of the block (`seconds`), the device synchronized on both ends, and the CPU time this process spent
+    in it (`cpu_seconds`, all its threads), Python's cyclic garbage collector off inside (a full collection over four
+    models' objects takes tens of milliseconds and would land on whichever model runs when it triggers).
+
+    The CPU time leaves out the time other processes held the cores, so on a shared machine it is the steadier
+    measure with one torch thread (`--threads 1`); with several, it also counts the threads' spin-waits."""
+    timer = {"seconds": None, "cpu_seconds": None}
     collector_was_enabled = gc.isenabled()
     gc.disable()
     try:
         bench_common.synchronize(device)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         yield timer
         bench_common.synchronize(device)
         timer["seconds"] = time.perf_counter() - started
+        timer["cpu_seconds"] = time.process_time() - cpu_started
     finally:
         if collector_was_enabled:
             gc.enable()
@@ -163,13 +190,13 @@ class Skips:
         self.reasons[(model, mode, seq_len)] = reason
 
     def reason(self, model: str, mode: str, seq_len: int) -> str | None:
-        """Why the step is skipped, or None. `mode`: forward, forward_backward or decode (decode's prefill is a
-        forward of the prompt)."""
+        """Why the step is skipped, or None. `mode`: forward, forward_backward, prefill or decode (a prefill, and
+        decode's, is a forward of the prompt)."""
         if (model, mode, seq_len) in self.reasons:
             return self.reasons[(model, mode, seq_len)]
         if model == "dint_eager" and self.args.eager_max_len and seq_len > self.args.eager_max_len:
             return f"eager reference capped at {self.args.eager_max_len} tokens (--eager-max-len; O(N^2) time)"
-        memory_mode = "forward" if mode == "decode" else mode  # a decode's prefill is a forward of the prompt
+        memory_mode = "forward" if mode in ("decode", "prefill") else mode  # a prefill is a forward of the prompt
         if (model, memory_mode, seq_len) in self.reasons:
             return self.reasons[(model, memory_mode, seq_len)]
         measured = [(n, peak) for n, peak in self.peaks.get((model, memory_mode), []) if n < seq_len]
@@ -237,14 +264,25 @@ def _gib(value) -> str:
     return "-" if value is None else f"{value / 2**30:.3f}GiB"
 
 
+STEPS = {
+    "forward": bench_common.forward_step,
+    "forward_backward": bench_common.train_step,
+    "prefill": bench_common.prefill,
+}
+"""The whole-sequence steps `--steps` picks from."""
+
+
 def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
-    """Interleaved timing of forward and forward+backward (and GPU peak memory)."""
+    """Interleaved timing of the `--steps` (and GPU peak memory)."""
     device, results = args.device, []
     is_cuda = device.startswith("cuda")
-    steps = {"forward": bench_common.forward_step, "forward_backward": bench_common.train_step}
     for seq_len in args.seq_lens:
         input_ids = bench_common.make_input_ids(seq_len, args.batch_size, args.vocab_size, device)
-        for mode, step in steps.items():
+        for mode in args.steps:
+            step = STEPS[mode]
+            if mode == "forward_backward":
+                for model in models.values():
+                    model.train()
             active = []
             for name in models:
                 reason = skips.reason(name, mode, seq_len)
@@ -253,6 +291,7 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                 else:
                     results.append({"model": name, "seq_len": seq_len, "mode": mode, "skipped": reason})
             samples = {name: [] for name in active}
+            cpu_samples = {name: [] for name in active}
             peaks = {name: 0 for name in active}
             failed = {}
             for repetition in range(args.warmup + args.repeats):
@@ -277,14 +316,18 @@ def measure_steps(args, models: dict, skips: Skips, log) -> list[dict]:
                         peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device) - allocated_before)
                     if repetition >= args.warmup:
                         samples[name].append(elapsed)
+                        cpu_samples[name].append(timer["cpu_seconds"])
                 for name in active:
                     models[name].zero_grad(set_to_none=True)
+            for model in models.values():
+                model.eval()
             for name in active:
                 if name in failed:
                     skips.mark(name, mode, seq_len, failed[name])
                     results.append({"model": name, "seq_len": seq_len, "mode": mode, "skipped": failed[name]})
                     continue
-                entry = {"model": name, "seq_len": seq_len, "mode": mode, "time_s": summarize(samples[name])}
+                entry = {"model": name, "seq_len": seq_len, "mode": mode, "time_s": summarize(samples[name]),
+                         "cpu_time_s": summarize(cpu_samples[name])}  # fmt: skip
                 if is_cuda:
                     entry["peak_bytes"] = peaks[name]
                     skips.record_peak(name, mode, seq_len, peaks[name])
@@ -320,6 +363,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                 "next_token": next_token,
                 "layers_after_prefill": bench_common.cache_layer_bytes(cache),
                 "samples": [],
+                "cpu_samples": [],
             }
             active.append(name)
         # Each sample times `--decode-block` consecutive tokens of one model (a hiccup of the host then spreads over
@@ -333,6 +377,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                         state["next_token"] = bench_common.decode_step(models[name], state["cache"], state["next_token"])
                 if block_index >= args.decode_warmup:
                     state["samples"].append(timer["seconds"] / args.decode_block)
+                    state["cpu_samples"].append(timer["cpu_seconds"] / args.decode_block)
         for name in active:
             state = states[name]
             layers_after_decode = bench_common.cache_layer_bytes(state["cache"])
@@ -342,6 +387,7 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
                     "prompt_len": prompt_len,
                     "decoded_tokens": (args.decode_warmup + args.decode_blocks) * args.decode_block,
                     "per_token_s": summarize(state["samples"]),
+                    "per_token_cpu_s": summarize(state["cpu_samples"]),
                     "cache_bytes_after_prefill": sum(l["kv_bytes"] + l["integral_bytes"] for l in state["layers_after_prefill"]),
                     "kv_bytes_after_prefill": sum(l["kv_bytes"] for l in state["layers_after_prefill"]),
                     "integral_bytes_per_layer_after_prefill": [l["integral_bytes"] for l in state["layers_after_prefill"]],
@@ -359,6 +405,57 @@ def measure_decode(args, models: dict, skips: Skips, log) -> list[dict]:
     return results
 
 
+def measure_generate(args, models: dict, log) -> list[dict]:
+    """Batched greedy `generate()`: `--generate-batch` prompts of `--generate-prompt-len` tokens (no padding), exactly
+    `--generate-new-tokens` new tokens each; one whole call per model and round, round-robin with the order rotated
+    every round, after `--generate-warmup` untimed rounds."""
+    from transformers import GenerationConfig
+
+    device = args.device
+    prompt_ids = bench_common.make_input_ids(
+        args.generate_prompt_len, args.generate_batch, args.vocab_size, device, seed=5
+    )
+    attention_mask = torch.ones_like(prompt_ids)
+    generation_config = GenerationConfig(
+        max_new_tokens=args.generate_new_tokens,
+        min_new_tokens=args.generate_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    names = list(models)
+    samples = {name: [] for name in names}
+    cpu_samples = {name: [] for name in names}
+    for round_index in range(args.generate_warmup + args.generate_rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            with torch.no_grad(), timed_region(device) as timer:
+                output = models[name].generate(
+                    prompt_ids, attention_mask=attention_mask, generation_config=generation_config
+                )
+            if output.shape != (args.generate_batch, args.generate_prompt_len + args.generate_new_tokens):
+                raise RuntimeError(f"{name}: generate() returned {tuple(output.shape)}")
+            if round_index >= args.generate_warmup:
+                samples[name].append(timer["seconds"])
+                cpu_samples[name].append(timer["cpu_seconds"])
+    log(
+        f"generate B={args.generate_batch} prompt={args.generate_prompt_len} new={args.generate_new_tokens} "
+        + " ".join(f"{name}={statistics.median(samples[name]):.3f}s" for name in names)
+        + f"  load={bench_common.load_average()}"
+    )
+    return [
+        {
+            "model": name,
+            "batch_size": args.generate_batch,
+            "prompt_len": args.generate_prompt_len,
+            "new_tokens": args.generate_new_tokens,
+            "time_s": summarize(samples[name]),
+            "cpu_time_s": summarize(cpu_samples[name]),
+        }
+        for name in names
+    ]
+
+
 def sanity_checks(models: dict, args) -> dict:
     """The comparison is only meaningful if the models compute what they claim: DINT fast == DINT eager."""
     checks = {}
@@ -371,11 +468,14 @@ def sanity_checks(models: dict, args) -> dict:
 
 
 def count_tensor_ops(models: dict, args) -> dict:
-    """Non-view aten ops per forward, forward+backward and decode step of each model (a 64-token sequence; the counts
-    do not depend on the length)."""
+    """Non-view aten ops per forward, decode step and (where `--steps` times it) forward+backward of each model (a
+    64-token sequence; the counts do not depend on the length)."""
     input_ids = bench_common.make_input_ids(64, args.batch_size, args.vocab_size, args.device, seed=4)
+    steps = [step for step in count_ops.STEPS if step != "forward_backward" or step in args.steps]
     return {
-        name: {step: sum(counter.values()) for step, counter in count_ops.count_model_ops(model, input_ids).items()}
+        name: {
+            step: sum(counter.values()) for step, counter in count_ops.count_model_ops(model, input_ids, steps).items()
+        }
         for name, model in models.items()
     }
 
@@ -394,7 +494,10 @@ def main(argv=None) -> None:
 
     size_kwargs = bench_common.model_size_kwargs(args)
     dtype = bench_common.DTYPES[args.dtype]
-    log(f"models {args.models} at {size_kwargs}, {args.dtype}, attn={args.attn}, device={args.device}")
+    log(
+        f"models {args.models} at {args.size} {size_kwargs}, {args.dtype}, attn={args.attn}, device={args.device}, "
+        f"{torch.get_num_threads()} threads, load {bench_common.load_average()}"
+    )
     skips = Skips(args)
     load_at_start = bench_common.load_average()
     if load_at_start and load_at_start[0] > 0.5 * (os.cpu_count() or 1):
@@ -404,16 +507,16 @@ def main(argv=None) -> None:
     if not args.device.startswith("cuda") and not args.no_memory:
         memory_results = measure_cpu_memory(args, size_kwargs, skips, log)
 
-    models = {
-        name: bench_common.build_model(name, size_kwargs, args.attn, dtype, args.device, seed=args.seed)
-        for name in args.models
-    }
+    models = bench_common.build_models(
+        {name: (name, args.attn) for name in args.models}, size_kwargs, dtype, args.device, seed=args.seed
+    )
     checks = sanity_checks(models, args)
     log(f"sanity {checks}")
     op_counts = count_tensor_ops(models, args)
     log(f"tensor ops per step {op_counts}")
     step_results = measure_steps(args, models, skips, log)
     decode_results = measure_decode(args, models, skips, log)
+    generate_results = measure_generate(args, models, log) if args.generate_rounds > 0 else []
 
     results = {
         "machine": {**bench_common.machine_info(args.device), "load_average_at_start": load_at_start},
@@ -427,6 +530,7 @@ def main(argv=None) -> None:
         "memory": memory_results,
         "steps": step_results,
         "decode": decode_results,
+        "generate": generate_results,
         "wall_s": time.perf_counter() - started,
     }
     json_path = os.path.join(args.output_dir, "results.json")

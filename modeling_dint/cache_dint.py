@@ -294,13 +294,13 @@ def check_dint_cache(cache, config) -> None:
             f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
             "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
         )
-    state_idx = integral_state_index(config)
+    integral, state_idx = config.integral, integral_state_index(config)  # read once (a config read costs microseconds)
     layers = layers[: config.num_hidden_layers]
     for layer in layers:  # every layer first, so that a refusal leaves the cache as it was
-        layer.check_integral_kind(config.integral, state_idx)
+        layer.check_integral_kind(integral, state_idx)
     for layer in layers:
         if layer.integral_kind is None:
-            layer.integral_kind = (config.integral, state_idx)
+            layer.integral_kind = (integral, state_idx)
 
 
 def store_integral_state(cache, layer_idx: int, state_idx: int, running_sums: torch.Tensor, layout) -> None:

@@ -17,6 +17,7 @@ product (a padding row may hold NaN).
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -28,10 +29,42 @@ from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .transformers_compat import create_causal_mask
 
 
+MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
+"""The ways DINT attention computes its output (`attention_path`)."""
+
+
+def attention_path(attn_implementation: str, integral: str, one_pass_attention: bool | None) -> str:
+    """How DINT attention computes its output, from the config's `_attn_implementation`, `integral` and
+    `one_pass_attention`:
+
+    - `MATERIALIZING`: the maps A1, A2, G and A_final (eager attention, or integral "softmax", which needs G itself);
+    - `ONE_PASS`: the fast path, O1 and O2 from one attention call over each KV head's 2*head_dim-wide V
+      `[V half 1 | V half 2]` (Q.K^T once per map): `one_pass_attention` True, or None for the backends in
+      `ONE_PASS_BY_DEFAULT`;
+    - `TWO_CALLS`: the fast path, O1 and O2 from two calls over the halves of V (DiffLlama's).
+
+    The attention asks once per layer and forward, with the fields read once: a config attribute costs microseconds
+    (transformers' `__getattribute__`), three times the arithmetic of a decoding step's combination.
+    """
+    if attn_implementation == "eager" or integral == "softmax":
+        return MATERIALIZING
+    if one_pass_attention is None:
+        return ONE_PASS if attn_implementation in ONE_PASS_BY_DEFAULT else TWO_CALLS
+    if one_pass_attention is False:
+        return TWO_CALLS
+    if attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
+            f"the query/key head dim, got attn_implementation={attn_implementation!r}. Allowed: "
+            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
+        )
+    return ONE_PASS
+
+
 def uses_materializing_path(config: DintConfig) -> bool:
     """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
-    needs G itself) instead of the fast path's running mean of the signal outputs."""
-    return config._attn_implementation == "eager" or config.integral == "softmax"
+    needs G itself) instead of the fast path's running mean of the signal outputs (`attention_path`)."""
+    return attention_path(config._attn_implementation, config.integral, False) == MATERIALIZING
 
 
 ONE_PASS_ATTENTION_IMPLEMENTATIONS = ("flex_attention", "sdpa")
@@ -46,18 +79,9 @@ is not: on CPU a wider V sends it to its math kernel (3.5x slower), and on CUDA 
 def uses_one_pass_attention(config: DintConfig) -> bool:
     """Whether the fast path computes the signal and noise outputs O1, O2 in one attention call over each KV head's
     2*head_dim-wide V `[V half 1 | V half 2]` (Q.K^T once per map), instead of two calls over the halves (DiffLlama's).
-    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set."""
-    if uses_materializing_path(config) or config.one_pass_attention is False:
-        return False
-    if config.one_pass_attention is None:
-        return config._attn_implementation in ONE_PASS_BY_DEFAULT
-    if config._attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
-            f"the query/key head dim, got attn_implementation={config._attn_implementation!r}. Allowed: "
-            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
-        )
-    return True
+    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set
+    (`attention_path`)."""
+    return attention_path(config._attn_implementation, config.integral, config.one_pass_attention) == ONE_PASS
 
 
 def valid_query_rows(
@@ -286,7 +310,8 @@ class DintIntegralLayout:
 def _cumsum_over_rows(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
     """fp32 inclusive cumulative sum of `rows` over dimension `query_dim`, in the layout fastest on `rows`' device.
 
-    CPUs scan the dimension in place (the fastest there, forward and backward). CUDA scans a dimension that is not the
+    CPUs scan the dimension in place (the fastest there for a dimension other than the first, forward and backward;
+    the fast path's `[B, T, ...]` rows take `_blocked_running_sum` instead). CUDA scans a dimension that is not the
     last one a step at a time per column (12 ms against 0.55 ms per layer at 32K tokens on an H100, bench/README.md),
     so elsewhere the scan runs over an fp32 copy with the rows last.
     """
@@ -295,6 +320,93 @@ def _cumsum_over_rows(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
     if rows.device.type == "cpu":
         return _cumsum_in_place(rows, query_dim)
     return _cumsum_rows_last(rows, query_dim)
+
+
+SCAN_BLOCK_ROWS = 16
+"""Query rows per block of `_blocked_running_sum`: its matrix multiply does SCAN_BLOCK_ROWS multiply-adds per value
+(16 measured fastest against 32 and 64 at 128 to 8192 rows, bench/README.md)."""
+
+
+def _scans_in_blocks(rows: torch.Tensor, query_dim: int) -> bool:
+    """Whether `segmented_running_sum` takes `_blocked_running_sum`: on CPUs, for rows `[B, T, ...]` with T > 1, in
+    eager mode, where fp32 matrix multiplies are exact (a user may have let oneDNN run them in bf16 or tf32:
+    `torch.backends.mkldnn.matmul.fp32_precision`, `torch.set_float32_matmul_precision`). torch's CPU cumsum does
+    not vectorize the scan: 5-25x the time of one elementwise pass over the rows (bench/README.md)."""
+    if query_dim != 1 or rows.shape[1] == 1 or rows.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():  # torch.compile and torch.export (is_compiling covers both): their own scan
+        return False
+    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    precision = getattr(mkldnn_matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision in ("none", "ieee")
+    return torch.get_float32_matmul_precision() == "highest"
+
+
+@functools.lru_cache(maxsize=8)
+def _lower_triangle(size: int, device: torch.device) -> torch.Tensor:
+    """`[size, size]` fp32, ones on and below the diagonal (a block's running sum as a matrix multiply). Built as a
+    normal tensor even under `torch.inference_mode()`, so that a later training step may save it for backward."""
+    with torch.inference_mode(False):
+        return torch.ones(size, size, device=device).tril_()
+
+
+def _blocked_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
+    """Inclusive running sum of `rows` `[B, T, ...]` over dimension 1, restarting at each row's `restart_row`, in fp32,
+    as matrix multiplies: within each block of `SCAN_BLOCK_ROWS` rows a lower-triangular matrix (masked where a document
+    restarts inside the block) sums the block's rows; the sum at each block's last row, over the blocks before, is the
+    same running sum one level up (T / SCAN_BLOCK_ROWS rows); a row adds the sum at the previous block's last row where
+    its document started before its block.
+
+    Args:
+        rows (`torch.Tensor` of shape `[B, T, ...]`): the rows, padding rows already zeroed.
+        restart_row (`torch.Tensor` of shape `[B, T]`, long, *optional*): the row where row n's document starts
+            (`DintIntegralLayout.restart_row`); None: every row continues row 0's document.
+
+    Returns:
+        `torch.Tensor` of `rows`' shape, fp32.
+    """
+    batch_size, query_length = rows.shape[:2]
+    block = min(SCAN_BLOCK_ROWS, query_length)
+    num_blocks = -(-query_length // block)
+    padded_length = num_blocks * block
+    flat_rows = rows.reshape(batch_size, query_length, -1)
+    if padded_length != query_length:
+        # One pass for the padding to whole blocks (zero rows at the end) and the cast to fp32.
+        padded_rows = flat_rows.new_empty(batch_size, padded_length, flat_rows.shape[-1], dtype=torch.float32)
+        padded_rows[:, :query_length] = flat_rows
+        padded_rows[:, query_length:] = 0.0
+        flat_rows = padded_rows
+    else:
+        flat_rows = flat_rows.float()
+    blocks = flat_rows.view(batch_size, num_blocks, block, -1)
+    lower_triangle = _lower_triangle(block, rows.device)
+    if restart_row is None:
+        within_blocks = torch.matmul(lower_triangle, blocks)  # [B, num_blocks, block, C]
+    else:
+        if padded_length != query_length:  # padding rows continue the last row's document
+            restart_row = torch.cat([restart_row, restart_row[:, -1:].expand(-1, padded_length - query_length)], 1)
+        row_index = torch.arange(padded_length, device=rows.device)
+        # Row i of a block sums the block's rows j <= i that are in its document (j >= restart_row[i]).
+        in_document = row_index.view(num_blocks, 1, block) >= restart_row.view(batch_size, num_blocks, block, 1)
+        within_blocks = torch.matmul(lower_triangle * in_document, blocks)
+    if num_blocks == 1:
+        running = within_blocks
+    else:
+        block_ends = within_blocks[:, :, -1]  # [B, num_blocks, C]: each block's last row, summed inside its block
+        block_restart = None if restart_row is None else restart_row[:, block - 1 :: block] // block
+        previous_ends = nn.functional.pad(_blocked_running_sum(block_ends, block_restart)[:, :-1], (0, 0, 1, 0))
+        previous_ends = previous_ends.unsqueeze(2)  # [B, num_blocks, 1, C]: at the previous block's last row, 0 for block 0
+        if restart_row is None:
+            running = within_blocks + previous_ends
+        else:
+            block_first_row = row_index - row_index % block
+            continues = (restart_row < block_first_row).view(batch_size, num_blocks, block, 1)
+            running = torch.addcmul(within_blocks, continues.to(torch.float32), previous_ends)
+    running = running.view(batch_size, padded_length, -1)
+    if padded_length != query_length:
+        running = running[:, :query_length]
+    return running.view(rows.shape)
 
 
 def _cumsum_in_place(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
@@ -327,25 +439,40 @@ def segmented_running_sum(
         `torch.Tensor` of `rows`' shape, fp32: row n holds the sum of the valid rows m <= n of n's document.
     """
 
+    if (
+        query_dim == 1
+        and rows.shape[1] == 1
+        and carry is not None
+        and layout.carry_kept is True
+        and layout.query_valid is None
+        and layout.restart_row is None
+        and not layout.carry_per_row
+    ):  # a decoding step: one valid row, which continues the carried document
+        return rows + carry.float().unsqueeze(1)
+
     def along_rows(per_row: torch.Tensor) -> torch.Tensor:  # [B, T] -> broadcastable against `rows`
         return per_row.view(per_row.shape[0], *[1] * (query_dim - 1), per_row.shape[1], *[1] * (rows.dim() - query_dim - 1))
 
     if layout.query_valid is not None:
         # `where`, never a product: a padding row may hold anything, NaN included.
         rows = torch.where(along_rows(layout.query_valid), rows, 0.0)
-    totals = _cumsum_over_rows(rows, query_dim)
+    if _scans_in_blocks(rows, query_dim):
+        running = _blocked_running_sum(rows, layout.restart_row)
+    else:
+        running = _cumsum_over_rows(rows, query_dim)
+        if layout.restart_row is not None:
+            # Every row subtracts the sum before its document's first row (0 for a document that starts at row 0).
+            running = running - (running - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
     if carry is not None:
         carry = carry.float() if layout.carry_per_row else carry.float().unsqueeze(query_dim)
     if layout.restart_row is None:  # no document starts after row 0
         if carry is None or layout.carry_kept is False:
-            return totals
+            return running
         if layout.carry_kept is not True:
-            carry = torch.where(layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)), carry, 0.0)
-        return totals + carry
-    # Every row subtracts the sum before its document's first row (0 for a document that starts at row 0); a row of a
-    # document that started before this call adds the carry.
-    sum_before_restart = (totals - rows).gather(query_dim, along_rows(layout.restart_row).expand(rows.shape))
-    running = totals - sum_before_restart
+            # One multiply-add: the carry is a sum of valid rows (finite), so a 0/1 factor drops it exactly.
+            return torch.addcmul(running, layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)).to(carry.dtype), carry)
+        return running + carry
+    # A row of a document that started before this call adds the carry.
     if carry is None:
         return running
     return running + torch.where(along_rows(layout.in_carried_document), carry, 0.0)
@@ -450,6 +577,7 @@ __all__ = [
     "dint_attention_map",
     "document_starts",
     "segmented_running_sum",
+    "attention_path",
     "uses_materializing_path",
     "uses_one_pass_attention",
     "valid_query_rows",

@@ -63,14 +63,16 @@ from .cache_dint import (
 from .configuration_dint import DINT_LAYER_TYPE, DintConfig
 from .integral_dint import (
     DINT_QUERY_VALID_KEY,
+    MATERIALIZING,
+    ONE_PASS,
     DintIntegralLayout,
+    attention_path,
     compose_final_attention,
     create_dint_masks,
     default_position_ids,
     document_starts,
     segmented_running_sum,
     uses_materializing_path,
-    uses_one_pass_attention,
 )
 
 
@@ -142,8 +144,8 @@ class DintAttention(nn.Module):
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's lambda, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar."""
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return lambda_1 - lambda_2 + self.lambda_init
 
     def forward(
@@ -180,29 +182,36 @@ class DintAttention(nn.Module):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        if uses_materializing_path(self.config):
+        attn_implementation = self.config._attn_implementation  # read once: a config attribute costs microseconds
+        path = attention_path(attn_implementation, self.integral, self.config.one_pass_attention)
+        if path == MATERIALIZING:
             attn_output, attn_weights = self._materialized_attention(
                 query_states, key_states, value_states, attention_mask, integral_layout, cache
             )
         else:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, None)
             attn_output = self._fast_attention(
-                query_states, key_states, value_states, attention_mask, integral_layout, cache, **kwargs
+                attention_interface, path == ONE_PASS, query_states, key_states, value_states, attention_mask,
+                integral_layout, cache, **kwargs,
             )
             attn_weights = None
 
         # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype again.
-        attn_output = self.head_norm(attn_output).to(value_states.dtype)
+        attn_output = self.head_norm(attn_output)
+        if attn_output.dtype != value_states.dtype:
+            attn_output = attn_output.to(value_states.dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
     def _fast_attention(
-        self, query_states, key_states, value_states, attention_mask, integral_layout, cache, **kwargs
+        self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, integral_layout,
+        cache, **kwargs,
     ) -> torch.Tensor:
-        """O1 and O2 from the configured attention backend, then `O1 - lambda * O2 + lambda * running_mean(O1)`:
-        `[B, T, H/2, 2d]`, fp32 (the model's dtype for integral "none")."""
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-        if uses_one_pass_attention(self.config):
+        """O1 and O2 from the attention backend's `attention_interface` (one call over the 2d-wide V where `one_pass`,
+        two otherwise), then `O1 - lambda * O2 + lambda * running_mean(O1)`: `[B, T, H/2, 2d]`, fp32 (the model's dtype
+        for integral "none")."""
+        if one_pass:
             # One call over the 2d-wide V (Q.K^T once per map): KV head k reads [V half 1 | V half 2] of pair k mod
             # KV/2, the values the two calls below give it, so the output [B, T, H, 2d] is theirs concatenated.
             wide_values = differential_head_values(value_states).repeat(1, 2, 1, 1)  # [B, KV, S, 2d]
@@ -222,10 +231,14 @@ class DintAttention(nn.Module):
             )
             attn_output = torch.cat([attn_output1, attn_output2], dim=-1)
         # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
-        signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
         lambda_full = self.lambda_full()
         if self.integral == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
+            signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
             return signal_output - lambda_full * noise_output
+        # The integral's sums and the combination are fp32: both outputs cast once here (exact; a no-op in fp32). An op
+        # with bf16 and fp32 operands casts its bf16 ones in copies of its own: the running sum and the two
+        # multiply-adds below made three (issue 31: DINT / DiffLlama op time 1.12 -> 1.07 in a bf16 CPU prefill).
+        signal_output, noise_output = torch.chunk(attn_output.float(), 2, dim=2)
 
         # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document, the sum
         # the cache carries from earlier calls included ---

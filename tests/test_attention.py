@@ -10,9 +10,13 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
 from modeling_dint.integral_dint import (
+    SCAN_BLOCK_ROWS,
     DintIntegralLayout,
+    _blocked_running_sum,
     _cumsum_in_place,
     _cumsum_rows_last,
+    _lower_triangle,
+    _scans_in_blocks,
     document_starts,
     segmented_running_sum,
     valid_query_rows,
@@ -263,7 +267,7 @@ def running_sum_by_loop(rows, query_valid, document_start, carry, query_dim):
 
 
 @pytest.mark.parametrize("query_dim", [1, 2])
-@pytest.mark.parametrize("length", [1, 9])
+@pytest.mark.parametrize("length", [1, 9, 300])  # 300: blocks of SCAN_BLOCK_ROWS on two levels, the last one padded
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("documents", ["none", "first row", "random"])
 @pytest.mark.parametrize("carry", [False, True])
@@ -298,6 +302,67 @@ def test_segmented_running_sum_matches_a_loop(query_dim, length, padding, docume
     expected_count = running_sum_by_loop(ones, query_valid, document_start, carried_count, 1).float()
     torch.testing.assert_close(layout.running_query_count, expected_count)
     torch.testing.assert_close(layout.inverse_query_count[:, :, 0, 0], 1 / expected_count.clamp(min=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("documents", [False, True])
+def test_blocked_running_sum_matches_the_cumulative_sum_and_its_gradient(dtype, documents):
+    """The CPU fast path's running sum in blocks of matrix multiplies (`_blocked_running_sum`, which
+    `segmented_running_sum` takes on CPUs) gives the scan's fp32 sums and gradients, documents restarting included:
+    training runs it too. With fp32 matrix multiplies allowed to run in bf16 it is not taken."""
+    generator = torch.Generator().manual_seed(7)
+    batch_size, length = 3, 20 * SCAN_BLOCK_ROWS + 5
+    rows = torch.randn(batch_size, length, 2, 5, generator=generator).to(dtype).requires_grad_()
+    weights = torch.randn(batch_size, length, 2, 5, generator=generator)
+    restart_row = None
+    expected = _cumsum_in_place(rows, 1)
+    if documents:
+        document_start = torch.rand(batch_size, length, generator=generator) > 0.97
+        layout = DintIntegralLayout.build(None, document_start, None, batch_size, length, rows.device)
+        restart_row = layout.restart_row
+        expected = expected - (expected - rows).gather(1, restart_row[:, :, None, None].expand(rows.shape))
+    actual = _blocked_running_sum(rows, restart_row)
+    assert actual.dtype == torch.float32 and actual.shape == rows.shape
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-5)
+    (actual_gradient,) = torch.autograd.grad((actual * weights).sum(), rows)
+    (expected_gradient,) = torch.autograd.grad((expected * weights).sum(), rows)
+    tolerances = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16 gradients: bf16's defaults
+    torch.testing.assert_close(actual_gradient, expected_gradient, **tolerances)
+
+    assert _scans_in_blocks(rows, 1) and not _scans_in_blocks(rows[:, :1], 1)
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        assert not _scans_in_blocks(rows, 1)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = precision
+
+
+def test_a_model_trains_after_running_under_inference_mode():
+    """The blocked running sum's cached lower-triangular matrix, first built under `torch.inference_mode()` (a
+    pipeline, a server), must not be an inference tensor, which a training step could not save for backward."""
+    _lower_triangle.cache_clear()
+    model = tiny_model("sdpa")
+    input_ids = torch.randint(2, 128, (2, 40))
+    with torch.inference_mode():
+        model(input_ids)
+    model.train()
+    model(input_ids, labels=input_ids).loss.backward()
+    assert model.model.layers[0].self_attn.lambda_q1.grad is not None
+
+
+def test_bf16_stays_within_its_bound_of_fp32():
+    """A bf16 model's logits stay as close to the fp32 model's as before issue 31 (max 0.0058 here): the integral's
+    sums and the combination of the fast path stay fp32; a combination in bf16 (as integral "none" has it) reads
+    0.010."""
+    input_ids, attention_mask = left_padded_batch(lengths=(512, 300))
+    valid = attention_mask.bool()
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            logits[dtype] = tiny_model("sdpa", dtype=dtype).forward(input_ids, attention_mask=attention_mask).logits
+    difference = (logits[torch.bfloat16].float() - logits[torch.float32])[valid].abs().max().item()
+    assert difference < 0.0075, difference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
