@@ -85,7 +85,10 @@ class Settings:
     """Every size, step count, seed and rule of a run (written to the report before any result)."""
 
     num_hidden_layers: int = 2
-    head_dim: int = 16  # heads = hidden / head_dim (softmax maps; DIFF/DINT: half as many differential heads)
+    # softmax maps per layer, each of head_dim channels (Transformer: that many heads; DIFF/DINT: half as many
+    # differential heads of 2 x head_dim value channels), whatever the hidden size
+    attention_heads: int = 2
+    head_dim: int = 64
     mlp_ratio: int = 4  # SwiGLU intermediate = mlp_ratio * hidden
     rope_theta: float = 10_000.0
     # needle retrieval: the main grid is every (hidden, trained length) pair below
@@ -146,10 +149,10 @@ class Settings:
     long_kinds: tuple = ("transformer", "dint")
     # the pilot (`--pilot`, before the run: it sets `max_steps`): these kinds on the first needle config, seed
     # `sweep_seed`, each learning rate, exactly `pilot_steps` steps, validation accuracy per N every `pilot_eval_every`
-    pilot_kinds: tuple = ("transformer",)
-    pilot_learning_rates: tuple = (1e-3, 3e-3)
-    pilot_steps: int = 20_000
-    pilot_eval_every: int = 500
+    pilot_kinds: tuple = ARCHITECTURES
+    pilot_learning_rates: tuple = (2e-3,)
+    pilot_steps: int = 10_000
+    pilot_eval_every: int = 250
     bootstrap_resamples: int = 10_000
     bootstrap_seed: int = 0
     workers: int = 2
@@ -214,7 +217,7 @@ def quick_settings() -> Settings:
 
 def build_model(kind: str, vocab_size: int, max_positions: int, settings: Settings, hidden: int, seed: int):
     """A Llama ("transformer") or DINT model of the same size; `kind` is an architecture or an ablation name."""
-    heads = hidden // settings.head_dim
+    heads = settings.attention_heads
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
