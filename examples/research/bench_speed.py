@@ -5,10 +5,11 @@
 
 "Before" is the harness of commit a160467, read from git (`git show`): the model's own loss over every position's
 logits, eager, AdamW and gradient clipping one parameter at a time, the needle batches made row by row in Python.
-"After" is the harness here: `run.train_step` parts (`training_logits_function`: forward and backward compiled by
-torch.compile; fused AdamW; foreach clipping; logits at the answers only), the batches made in tensor operations.
+"After" is the harness here: `run.make_training_step` (forward and backward compiled by torch.compile, logits at the
+answers only, fused AdamW, foreach clipping), the batches made in tensor operations.
 
-Per architecture (transformers' Llama, DIFF, DINT; hidden 64, 64 tokens, batch 32, one torch thread):
+Per architecture (transformers' Llama, DIFF, DINT; hidden 64 as 4 heads of 16 (the model of the before harness), 64
+tokens, batch 32, one torch thread):
   - the training step alone, before and after, on the same model (same seed) and the same batches (made by the old
     harness), in interleaved blocks of `--block` steps (`--rounds` of each; the first round is warm-up and not
     counted): thread CPU time and wall time per step, the paired ratio, and the largest difference of the two loss
@@ -58,6 +59,12 @@ def load_harness_before():
     return module
 
 
+def settings_after(args) -> "harness.Settings":
+    """This harness's settings with the model shape of `BEFORE_COMMIT` (hidden / 16 heads of 16 channels), so that
+    before and after train the same model."""
+    return harness.Settings(attention_heads=args.hidden // 16, head_dim=16)
+
+
 def answers_of_old_batch(batch: dict) -> dict:
     """An old harness batch (labels: -100 except the answers) in the new harness's answer layout: the logits at
     position t - 1 predict the label at t."""
@@ -81,23 +88,9 @@ def step_before(model, optimizer, batch: dict) -> float:
 
 
 def make_step_after(model, settings):
-    """The training step of this harness's `train_to_convergence` (without the scheduler)."""
-    logits_of = harness.training_logits_function(model, settings)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=settings.weight_decay, fused=True
-    )
-    parameters = list(model.parameters())
-
-    def step(batch: dict) -> float:
-        logits = logits_of(batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
-        loss = torch.nn.functional.cross_entropy(logits, batch["answers"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, settings.grad_clip, foreach=True)
-        optimizer.step()
-        return loss.item()
-
-    return step
+    """The training step of this harness (`run.make_training_step`, as `train_to_convergence` runs it)."""
+    step, _ = harness.make_training_step(model, 1e-3, settings)
+    return lambda batch: step(batch).item()
 
 
 def timed(function, *args):
@@ -108,7 +101,7 @@ def timed(function, *args):
 
 
 def paired_step_rounds(kind: str, before, args) -> dict:
-    settings = harness.Settings()
+    settings = settings_after(args)
     old_settings = before.Settings()
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     generator = torch.Generator().manual_seed(0)
@@ -156,7 +149,7 @@ def paired_step_rounds(kind: str, before, args) -> dict:
 
 def data_rounds(before, args) -> dict:
     """Milliseconds (thread CPU) to make one training batch: the old row-by-row one-query batch, the new one."""
-    settings, old_settings = harness.Settings(), before.Settings()
+    settings, old_settings = settings_after(args), before.Settings()
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     old_generator, new_generator = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     times = {"before": [], "after": []}
@@ -174,7 +167,7 @@ def loop_rounds(kind: str, before, args) -> dict:
     """Steps per second of each harness's whole training loop (its own task: batches, steps, a validation every 50),
     `args.loop_steps` steps, thread CPU time. After: from the loop's own clock, which keeps the first (compiling) step
     apart; before: timed from outside (nothing to compile)."""
-    settings, old_settings = harness.Settings(), before.Settings()
+    settings, old_settings = settings_after(args), before.Settings()
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     steps = args.loop_steps
     model = before.build_model(kind, vocab.size, args.context * 4, old_settings, args.hidden, 0)

@@ -477,6 +477,29 @@ def training_logits_function(model, settings: Settings):
     return torch.compile(function, fullgraph=True, dynamic=False)
 
 
+def make_training_step(model, lr: float, settings: Settings):
+    """One optimizer step on a batch, as `train_to_convergence` runs it (and `bench_speed.py` times it): the
+    cross-entropy of `training_logits_function`'s logits against the answers, backward, gradient clipping (foreach),
+    AdamW (fused; betas 0.9/0.95). Returns `(step, optimizer)`: `step(batch)` takes a batch on the model's device and
+    returns the loss (a 0-dim tensor, not synchronised); the optimizer is for a learning-rate scheduler."""
+    logits_of = training_logits_function(model, settings)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay, fused=True
+    )
+    parameters = list(model.parameters())
+
+    def step(batch: dict) -> torch.Tensor:
+        logits = logits_of(batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
+        loss = torch.nn.functional.cross_entropy(logits, batch["answers"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, settings.grad_clip, foreach=True)
+        optimizer.step()
+        return loss
+
+    return step, optimizer
+
+
 def to_device(batch: dict, device: str) -> dict:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
@@ -505,26 +528,16 @@ def train_to_convergence(
     stopping). `next_batch()` returns a batch on the CPU (dict of tensors with the answers' fields); `model` and
     `validation_batch` are on `settings.device`. `progress(step, validation)`, when given, is called at every
     evaluation."""
-    logits_of = training_logits_function(model, settings)
+    training_step, optimizer = make_training_step(model, lr, settings)
     evaluation_logits_of = functools.partial(answer_logits, model)  # eager: a compiled graph costs more than it saves
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay, fused=True
-    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / settings.warmup_steps))
-    parameters = list(model.parameters())
     model.train()
     eval_steps, validation_losses, validation_accuracies, train_losses = [], [], [], []
     best_loss, best_state, best_step = math.inf, None, 0
     step = 0
     started_wall, started_cpu = time.perf_counter(), time.thread_time()
     while True:
-        batch = to_device(next_batch(), settings.device)
-        logits = logits_of(batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
-        loss = torch.nn.functional.cross_entropy(logits, batch["answers"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, settings.grad_clip, foreach=True)
-        optimizer.step()
+        loss = training_step(to_device(next_batch(), settings.device))
         scheduler.step()
         train_losses.append(loss.detach())
         step += 1
