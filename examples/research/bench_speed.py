@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 
 RESEARCH_DIR = Path(__file__).resolve().parent
@@ -198,6 +199,35 @@ def loop_rounds(kind: str, before, args) -> dict:
     return result
 
 
+def step_flops(kind: str, before, args) -> dict:
+    """Floating-point operations of one training step's forward and backward (torch's FlopCounterMode: matmuls and
+    attention), before (every position's logits) and after (logits at the answers only), on one batch of the old
+    harness; and the rate of one large fp32 matmul on this core, the ceiling a step could approach."""
+    settings = settings_after(args)
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    batch = before.make_mixed_needle_batch(torch.Generator().manual_seed(0), 32, args.context,
+                                           before.Settings().needle_counts, 1, vocab)
+    model = harness.build_model(kind, vocab.size, args.context * 4, settings, args.hidden, 0)
+    result = {}
+    for name in ("before", "after"):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            if name == "before":
+                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            else:
+                answers = answers_of_old_batch(batch)
+                logits = harness.answer_logits(model, answers["input_ids"], answers["answer_rows"],
+                                               answers["answer_columns"])
+                loss = torch.nn.functional.cross_entropy(logits, answers["answers"])
+            loss.backward()
+        result[f"{name}_gflop"] = counter.get_total_flops() / 1e9
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    torch.mm(a, b)
+    _, _, cpu = timed(lambda: [torch.mm(a, b) for _ in range(20)])
+    result["matmul_gflop_per_second"] = 20 * 2 * 1024**3 / cpu / 1e9
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--hidden", type=int, default=64)
@@ -207,9 +237,19 @@ def main():
     parser.add_argument("--loop-steps", type=int, default=200)
     parser.add_argument("--kinds", nargs="+", default=list(harness.ARCHITECTURES))
     parser.add_argument("--out", type=Path, default=harness.DEFAULT_OUT)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite speed.md from OUT/speed.json (the FLOP counts are measured again: seconds)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     before = load_harness_before()
+    if args.report_only:
+        results = json.loads((args.out / "speed.json").read_text())
+        saved = argparse.Namespace(**{**results["settings"], "out": args.out})
+        results["flops"] = {kind: step_flops(kind, before, saved) for kind in saved.kinds}
+        (args.out / "speed.json").write_text(json.dumps(round_floats(results), indent=1))
+        (args.out / "speed.md").write_text(speed_report(results, saved))
+        print((args.out / "speed.md").read_text())
+        return
     started = time.time()
     results = {"command": "python examples/research/bench_speed.py " + " ".join(sys.argv[1:]),
                "environment": harness.environment(), "settings": vars(args) | {"out": str(args.out)},
@@ -222,6 +262,7 @@ def main():
     for kind in args.kinds:
         results["loops"].append({"kind": kind, **loop_rounds(kind, before, args)})
         print(json.dumps(results["loops"][-1]), flush=True)
+    results["flops"] = {kind: step_flops(kind, before, args) for kind in args.kinds}
     results["wall_seconds"] = time.time() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speed.json").write_text(json.dumps(round_floats(results), indent=1))
@@ -261,6 +302,23 @@ def speed_report(results: dict, args) -> str:
             f"{r['before_wall_ms']:.1f} | {r['after_wall_ms']:.1f} | {r['wall_ratio']:.2f}x | "
             f"{r['max_loss_difference']:.1e} | {r['load_average'][0]:.1f}, {r['load_average'][1]:.1f} | "
             f"{r['first_step_after_seconds']:.0f} |"
+        )
+    lines += [
+        "", "## Where the step's time goes: floating-point work (FlopCounterMode, forward and backward)", "",
+        "A step is bounded below by its arithmetic. *Achieved* = GFLOP per step / median CPU seconds per step above; "
+        "*ceiling* = the rate of a 1024 x 1024 fp32 matmul on this core (one thread), which the step's small matrices "
+        "(64 to 256 wide) cannot reach.", "",
+        "| architecture | before: GFLOP/step | after: GFLOP/step | before: achieved GFLOP/s | after: achieved "
+        "GFLOP/s | ceiling GFLOP/s | after: share of ceiling |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results["steps"]:
+        flops = results["flops"][r["kind"]]
+        before_rate = flops["before_gflop"] / (r["before_cpu_ms"] / 1e3)
+        after_rate = flops["after_gflop"] / (r["after_cpu_ms"] / 1e3)
+        lines.append(
+            f"| {r['kind']} | {flops['before_gflop']:.2f} | {flops['after_gflop']:.2f} | {before_rate:.0f} | "
+            f"{after_rate:.0f} | {flops['matmul_gflop_per_second']:.0f} | {after_rate / flops['matmul_gflop_per_second']:.0%} |"
         )
     data = results["data"]
     lines += [

@@ -56,6 +56,8 @@ QUICK_OUT = Path("outputs") / "research-quick"
 """Where --quick writes by default: outputs/ is git-ignored (relative to the working directory, like the main job)."""
 GPU_OUT = Path("outputs") / "research-gpu"
 """Where --gpu writes by default (git-ignored): its report is committed by hand, beside the CPU one."""
+DRY_RUN_OUT = Path("outputs") / "research-dry-run"
+"""Where --dry-run writes by default (git-ignored), whatever the preset."""
 
 ARCHITECTURES = ("transformer", "diff", "dint")
 ABLATIONS = {
@@ -1186,10 +1188,11 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "",
         "## Setup",
         "",
-        f"- Models: {settings.num_hidden_layers} layers, SwiGLU {settings.mlp_ratio}x hidden, head_dim "
-        f"{settings.head_dim}, hidden / head_dim softmax maps (Transformer: that many heads; DIFF/DINT: half as many "
-        "differential heads of 2 x head_dim channels), RoPE, tied embeddings. Sizes: "
-        + ", ".join(f"hidden {h} ({h // settings.head_dim} heads)" for h in sorted({h for h, _ in configs}))
+        f"- Models: {settings.num_hidden_layers} layers, SwiGLU {settings.mlp_ratio}x hidden, "
+        f"{settings.attention_heads} softmax maps of head_dim {settings.head_dim} per layer at every hidden size "
+        f"(Transformer: {settings.attention_heads} heads; DIFF/DINT: {settings.attention_heads // 2} differential "
+        "head(s) of 2 x head_dim value channels), RoPE, tied embeddings. Hidden sizes "
+        + ", ".join(str(h) for h in sorted({h for h, _ in configs}))
         + ". Parameter counts: "
         + ", ".join(
             f"hidden {h}: " + "/".join(f"{select(results, k, h, c)[0]['parameters']:,}" for k in ARCHITECTURES)
@@ -1679,10 +1682,12 @@ def write_pilot(records: list[dict], settings: Settings, out: Path, command: str
 
 
 def gpu_settings() -> Settings:
-    """The preset for one large GPU (an H100: `--gpu`): hidden 128 and 256, 10^4+ steps, every seed, batch 64."""
+    """The preset for one large GPU (an H100: `--gpu`): hidden 128 and 256 (4 softmax maps of 64), 10^4+ steps, every
+    seed, batch 64."""
     return Settings(
         device="cuda",
         one_pass_attention=None,  # the package's default on CUDA (two sdpa calls: FlashAttention kernels)
+        attention_heads=4,
         needle_configs=((128, 64), (128, 256), (256, 64)),
         needle_batch=64,
         learning_rates=(3e-4, 1e-3, 3e-3),
@@ -1708,6 +1713,19 @@ def gpu_settings() -> Settings:
     )
 
 
+def shrink_for_dry_run(settings: Settings) -> None:
+    """`--dry-run`: every step count and evaluation interval at most 2, every example and token count small; the
+    sizes, lengths, seeds and device of the preset stay."""
+    for field in ("min_steps", "max_steps", "eval_every", "warmup_steps", "lm_min_steps", "lm_max_steps",
+                  "lm_eval_every", "long_steps", "pilot_steps", "pilot_eval_every"):
+        setattr(settings, field, min(getattr(settings, field), 2))
+    for field in ("validation_examples", "test_examples", "analysis_examples"):
+        setattr(settings, field, min(getattr(settings, field), 8))
+    settings.lm_validation_tokens = min(settings.lm_validation_tokens, 4 * settings.lm_context)
+    settings.lm_test_tokens = min(settings.lm_test_tokens, 4 * settings.lm_context)
+    settings.bootstrap_resamples = min(settings.bootstrap_resamples, 200)
+
+
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: the whole pipeline in < 3 minutes")
@@ -1719,20 +1737,23 @@ def main(argv=None) -> Path:
     parser.add_argument(
         "--out", type=Path, default=None,
         help=f"results folder (default: {DEFAULT_OUT.relative_to(REPO_ROOT)}, the committed report; with --quick "
-        f"{QUICK_OUT}, with --gpu {GPU_OUT})",
+        f"{QUICK_OUT}, with --gpu {GPU_OUT}, with --dry-run {DRY_RUN_OUT})",
     )
     parser.add_argument("--workers", type=int, help="worker processes, one torch thread each (default 2)")
     parser.add_argument("--seeds", type=int, nargs="+", help="training seeds (default: 0 1 2 3 4)")
     parser.add_argument("--resume", action="store_true", help="reuse the finished jobs in OUT/jobs.jsonl")
     parser.add_argument("--no-compile", action="store_true", help="run the training steps eagerly")
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite report.md and the PNGs from OUT/results.json (no training)")
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="every training run 2 steps, 8 examples per test set: a preset's whole code path in minutes (e.g. "
+        "`--gpu --device cpu --dry-run`, before a GPU run); its numbers mean nothing",
+    )
     args = parser.parse_args(argv)
 
     if args.quick and args.gpu:
         parser.error("--quick and --gpu are two presets: give one")
-    if args.out is None:  # a --quick or --gpu run must not overwrite the committed report the README links
-        args.out = QUICK_OUT if args.quick else GPU_OUT if args.gpu else DEFAULT_OUT
+    if args.out is None:  # a --quick, --gpu or --dry-run run must not overwrite the committed report
+        args.out = DRY_RUN_OUT if args.dry_run else QUICK_OUT if args.quick else GPU_OUT if args.gpu else DEFAULT_OUT
     settings = quick_settings() if args.quick else gpu_settings() if args.gpu else Settings()
     if args.device is not None:
         settings.device = args.device
@@ -1744,6 +1765,8 @@ def main(argv=None) -> Path:
         settings.seeds = tuple(args.seeds)
     if args.no_compile:
         settings.compile = False
+    if args.dry_run:
+        shrink_for_dry_run(settings)
 
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
