@@ -111,10 +111,11 @@ def test_answer_logits_are_the_models_logits():
             torch.testing.assert_close(loss, reference)
 
 
-def test_architectures_have_equal_size():
+@pytest.mark.parametrize("preset", ["quick_settings", "Settings", "gpu_settings"])
+def test_architectures_have_equal_size(preset):
     harness = load_harness()
-    settings = harness.quick_settings()
-    hidden = 32
+    settings = getattr(harness, preset)()
+    hidden = settings.needle_configs[0][0]
     counts = {
         kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, hidden, 0))
         for kind in ("transformer", "diff", "dint")
@@ -124,6 +125,25 @@ def test_architectures_have_equal_size():
     assert counts["diff"] == counts["dint"] == counts["transformer"] + layers * (4 * head_dim + 2 * head_dim)
     no_norm = harness.build_model("no_head_norm", 100, 64, settings, hidden, 0)
     assert harness.count_parameters(no_norm) == counts["transformer"] + layers * 4 * head_dim
+
+
+@pytest.mark.parametrize("preset", ["Settings", "gpu_settings"])
+def test_preset_fits_its_data(preset):
+    """Every trained length holds the largest needle count with all its queries, and the corpus holds the
+    language-modelling validation and test tokens the preset asks for; `--dry-run` keeps the sizes and cuts the steps."""
+    harness = load_harness()
+    settings = getattr(harness, preset)()
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    for _, context in settings.needle_configs:
+        count = max(settings.needle_counts + settings.train_needle_counts)
+        assert harness.make_needle_batch(torch.Generator().manual_seed(0), 2, context, count, vocab)["answers"].numel() == 2 * count
+    corpus = harness.load_corpus(settings)
+    assert len(corpus["validation"]) == settings.lm_validation_tokens + 1
+    assert len(corpus["test"]) >= settings.lm_test_tokens // settings.lm_context * settings.lm_context
+    dry = getattr(harness, preset)()
+    harness.shrink_for_dry_run(dry)
+    assert (dry.needle_configs, dry.seeds, dry.device) == (settings.needle_configs, settings.seeds, settings.device)
+    assert max(dry.max_steps, dry.lm_max_steps, dry.long_steps, dry.pilot_steps, dry.test_examples) <= 8
 
 
 def test_convergence_rule_on_a_synthetic_curve():

@@ -135,7 +135,7 @@ class Settings:
     lm_max_steps: int = 300
     lm_validation_fraction: float = 0.05  # the end of the training text, never trained on
     lm_validation_tokens: int = 8192
-    lm_test_tokens: int = 76_800
+    lm_test_tokens: int = 76_672  # 599 windows of 128 (the held-out plays hold 76,701 tokens)
     # optimizer (every run): AdamW, linear warmup then constant learning rate
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -397,24 +397,22 @@ _CORPUS_CACHE = {}
 
 def load_corpus(settings: Settings) -> dict:
     """Token streams of the Shakespeare corpus: train and validation (the last `lm_validation_fraction` of the
-    training text, never trained on) and the held-out test plays; and the vocabulary size. Tokenized once per
-    process."""
-    key = (settings.lm_validation_fraction, settings.lm_validation_tokens, settings.lm_test_tokens)
-    if key not in _CORPUS_CACHE:
-        _CORPUS_CACHE[key] = _tokenize_corpus(settings)
-    return _CORPUS_CACHE[key]
-
-
-def _tokenize_corpus(settings: Settings) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(DATA_DIR / "tokenizer")
-    train_ids = tokenizer((DATA_DIR / "shakespeare_train.txt").read_text(), return_attention_mask=False)["input_ids"]
-    test_ids = tokenizer((DATA_DIR / "shakespeare_heldout.txt").read_text(), return_attention_mask=False)["input_ids"]
+    training text, never trained on; its first `lm_validation_tokens` + 1 tokens) and the held-out test plays (their
+    first `lm_test_tokens` + 1); and the vocabulary size. Tokenized once per process."""
+    if "tokens" not in _CORPUS_CACHE:
+        tokenizer = AutoTokenizer.from_pretrained(DATA_DIR / "tokenizer")
+        _CORPUS_CACHE["tokens"] = {
+            name: tokenizer((DATA_DIR / f"shakespeare_{name}.txt").read_text(), return_attention_mask=False)["input_ids"]
+            for name in ("train", "heldout")
+        }
+        _CORPUS_CACHE["vocab_size"] = len(tokenizer)
+    train_ids, test_ids = _CORPUS_CACHE["tokens"]["train"], _CORPUS_CACHE["tokens"]["heldout"]
     split = int(len(train_ids) * (1 - settings.lm_validation_fraction))
     return {
         "train": torch.tensor(train_ids[:split]),
         "validation": torch.tensor(train_ids[split:][: settings.lm_validation_tokens + 1]),
         "test": torch.tensor(test_ids[: settings.lm_test_tokens + 1]),
-        "vocab_size": len(tokenizer),
+        "vocab_size": _CORPUS_CACHE["vocab_size"],
     }
 
 
@@ -1703,7 +1701,8 @@ def gpu_settings() -> Settings:
         lm_eval_every=250,
         lm_min_steps=2000,
         lm_max_steps=10_000,
-        lm_validation_tokens=65_536,
+        lm_validation_tokens=40_960,  # 160 windows of 256; the validation split holds 44,326 tokens
+        lm_test_tokens=76_544,  # 299 windows of 256
         ablation_config=(128, 64),
         analysis_examples=256,
         long_steps=60_000,
