@@ -1618,47 +1618,58 @@ def first_step_reaching(record: dict, count: int, level: float, which: str = "al
     return None
 
 
-def write_pilot(records: list[dict], settings: Settings, out: Path, command: str, wall_seconds: float,
-                load_average) -> str:
-    """pilot.md and pilot.png: validation accuracy per needle count against steps, and when each run left 1/N."""
+def write_pilot(pilot: dict, settings: Settings, out: Path) -> str:
+    """pilot.md and pilot.png from the pilot's results (`pilot.json`: its runs, command, wall time, load average and
+    the environment at its start): validation accuracy per needle count against steps, over every query and over the
+    first query of each example, and the step at which each run left 1/N and reached 0.9."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = [n for n in validation_needle_counts(settings) if n >= 2]
+    records = pilot["runs"]
+    all_counts = validation_needle_counts(settings)
+    counts = [n for n in all_counts if n >= 2]
     figure, axes = plt.subplots(1, len(records), figsize=(4.4 * len(records), 3.2), squeeze=False)
     for axis, record in zip(axes[0], records):
-        for count in validation_needle_counts(settings):
+        for count in all_counts:
             line, = axis.plot(record["eval_steps"], [a["all"][str(count)] for a in record["validation_accuracy"]],
                               label=f"N={count}", linewidth=1.0)
+            if count >= 2:
+                axis.plot(record["eval_steps"], [a["first"][str(count)] for a in record["validation_accuracy"]],
+                          color=line.get_color(), linestyle="--", linewidth=0.6)
             axis.axhline(1 / count, color=line.get_color(), linestyle=":", linewidth=0.7)
         axis.set_ylim(-0.02, 1.02)
         axis.set_title(f"{record['kind']}, hidden {record['hidden']}, {record['context']} tokens, lr {record['lr']:g}",
                        fontsize=8)
         axis.set_xlabel("training step", fontsize=8)
-    axes[0, 0].set_ylabel("validation accuracy (every query; dotted: 1/N)", fontsize=8)
+    axes[0, 0].set_ylabel("validation accuracy\n(solid: every query; dashed: first query; dotted: 1/N)", fontsize=7)
     axes[0, 0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out / "pilot.png", dpi=100)
     plt.close(figure)
 
-    env = environment()
+    env, load_average = pilot["environment"], pilot["load_average"]
     lines = [
         "# Pilot: how many steps until key matching", "",
-        f"Command: `{command}`  ",
-        f"Wall time: {wall_seconds / 60:.1f} min on {settings.workers} worker processes of one torch thread each "
-        f"(load average at start {load_average[0]:.2f}, at end {load_average[1]:.2f}).  ",
+        f"Command: `{pilot['command']}`  ",
+        f"Wall time: {pilot['wall_seconds'] / 60:.1f} min on {settings.workers} worker processes of one torch thread "
+        f"each (load average at start {load_average[0]:.2f}, at end {load_average[1]:.2f}; above {settings.workers}: "
+        "other work shared the cores).  ",
         f"Versions: torch {env['torch']}, transformers {env['transformers']}, repo commit {env['git_commit']}; "
         f"{env['machine']}; device {settings.device}.", "",
         f"Each run: exactly {settings.pilot_steps} steps, no early stopping, seed {settings.sweep_seed} (not a test "
-        f"seed), batch {settings.needle_batch} over the trained needle counts {list(settings.train_needle_counts)} "
-        f"(every needle queried), validation accuracy over every query per needle count every "
-        f"{settings.pilot_eval_every} steps ({settings.validation_examples} examples per count). A model that copies a "
-        "random needle's value scores 1/N; *left 1/N* is the first step at which the accuracy reached halfway from 1/N "
-        "to 1; *learned* at 0.9.", "",
-        "| run | " + " | ".join(f"N={n}: left 1/N | N={n}: learned" for n in counts) + " | last accuracy per N |",
-        "| --- | " + " | ".join("--- | ---" for _ in counts) + " | --- |",
+        f"seed), hidden {records[0]['hidden']} with {settings.attention_heads} softmax maps of head_dim "
+        f"{settings.head_dim}, batch {settings.needle_batch} over the trained needle counts "
+        f"{list(settings.train_needle_counts)} (every needle queried), warmup {settings.warmup_steps} steps then a "
+        f"constant learning rate. Validation accuracy per needle count every {settings.pilot_eval_every} steps on "
+        f"{settings.validation_examples} held-out examples per count, over every query and over the first query of "
+        "each example (the elimination control). A model that copies a random needle's value scores 1/N; *left 1/N* "
+        "is the first evaluation at which the accuracy over every query reached halfway from 1/N to 1; *0.9* the "
+        "first at or above 0.9.", "",
+        "| run | " + " | ".join(f"N={n}: left 1/N | N={n}: 0.9" for n in counts)
+        + " | last accuracy per N, every query | last accuracy per N, first query | steps/s |",
+        "| --- | " + " | ".join("--- | ---" for _ in counts) + " | --- | --- | --- |",
     ]
     for record in records:
         cells = []
@@ -1666,16 +1677,14 @@ def write_pilot(records: list[dict], settings: Settings, out: Path, command: str
             for level in (1 / count + (1 - 1 / count) / 2, 0.9):
                 step = first_step_reaching(record, count, level)
                 cells.append(f"{step}" if step is not None else f"not by {record['steps']}")
-        last = record["validation_accuracy"][-1]["all"]
+        last = record["validation_accuracy"][-1]
         lines.append(f"| {record['kind']}, lr {record['lr']:g} | " + " | ".join(cells) + " | "
-                     + ", ".join(f"{n}: {a:.2f}" for n, a in last.items()) + " |")
+                     + ", ".join(f"{n}: {a:.2f}" for n, a in last["all"].items()) + " | "
+                     + ", ".join(f"{n}: {a:.2f}" for n, a in last["first"].items() if int(n) >= 2)
+                     + f" | {record['steps_per_second']:.1f} |")
     lines += ["", "![validation accuracy per needle count against steps](pilot.png)", ""]
     text = "\n".join(lines)
     (out / "pilot.md").write_text(text)
-    compact = [{key: value for key, value in record.items() if key != "example_maps"} for record in records]
-    (out / "pilot.json").write_text(json.dumps({"settings": dataclasses.asdict(settings), "runs": compact,
-                                                "wall_seconds": wall_seconds, "load_average": load_average,
-                                                "command": command, "environment": env}, indent=1))
     return text
 
 
@@ -1747,6 +1756,9 @@ def main(argv=None) -> Path:
         help="every training run 2 steps, 8 examples per test set: a preset's whole code path in minutes (e.g. "
         "`--gpu --device cpu --dry-run`, before a GPU run); its numbers mean nothing",
     )
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite report.md and the PNGs from OUT/results.json (no training); with --pilot, "
+                        "pilot.md and pilot.png from OUT/pilot.json")
     args = parser.parse_args(argv)
 
     if args.quick and args.gpu:
@@ -1767,6 +1779,11 @@ def main(argv=None) -> Path:
     if args.dry_run:
         shrink_for_dry_run(settings)
 
+    if args.report_only and args.pilot:
+        pilot = json.loads((args.out / "pilot.json").read_text())
+        write_pilot(pilot, settings_from_dict(pilot["settings"]), args.out)
+        print(f"rewrote {args.out / 'pilot.md'} from pilot.json")
+        return args.out
     if args.report_only:
         results = json.loads((args.out / "results.json").read_text())
         settings = settings_from_dict(results["settings"])
@@ -1793,7 +1810,11 @@ def main(argv=None) -> Path:
         if args.resume and journal.exists():
             done = {record["id"]: record for record in map(json.loads, journal.read_text().splitlines())}
         records = run_jobs(pilot_jobs(settings), settings, journal, done, log)
-        write_pilot(records, settings, args.out, command, time.time() - started, [load_start, os.getloadavg()[0]])
+        pilot = {"settings": dataclasses.asdict(settings), "runs": records, "wall_seconds": time.time() - started,
+                 "load_average": [load_start, os.getloadavg()[0]], "command": command,
+                 "environment": environment_at_start}
+        (args.out / "pilot.json").write_text(json.dumps(pilot, indent=1))
+        write_pilot(pilot, settings, args.out)
         journal.unlink(missing_ok=True)
         log(f"wrote {args.out / 'pilot.md'}")
         return args.out
