@@ -725,8 +725,9 @@ def run_needle_job(job: dict, settings: Settings) -> dict:
     fixed_steps = {"long": settings.long_steps, "pilot": settings.pilot_steps}.get(job["phase"])
 
     def progress(step, validation):  # a pilot runs for long: it says how it goes
-        print(f"  {job_id(job)} step {step}: validation loss {validation['loss']:.4f}, accuracy per N "
-              + " ".join(f"{n}: {a:.2f}" for n, a in validation["accuracy"].items()), flush=True)
+        print(f"  {job_id(job)} step {step}: validation loss {validation['loss']:.4f}, accuracy per N (every query / "
+              "first query) " + " ".join(f"{n}: {a:.2f}/{validation['first_query'][n]:.2f}"
+                                         for n, a in validation["accuracy"].items()), flush=True)
 
     history = train_to_convergence(
         model,
