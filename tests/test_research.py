@@ -314,3 +314,27 @@ def test_quick_run_writes_complete_report(tmp_path):
     # the report is a pure function of results.json: --report-only rewrites it identically
     harness.main(["--quick", "--out", str(tmp_path), "--report-only"])
     assert (out / "report.md").read_text() == report
+
+
+@pytest.mark.slow
+def test_quick_pilot_writes_its_curve(tmp_path):
+    """`--pilot`: each architecture trained exactly `pilot_steps` steps, its validation accuracy per needle count over
+    every query and over the first query at every evaluation, in pilot.json, pilot.md and pilot.png; `--report-only`
+    rewrites pilot.md identically from pilot.json."""
+    harness = load_harness()
+    out = harness.main(["--quick", "--pilot", "--out", str(tmp_path)])
+    pilot = json.loads((out / "pilot.json").read_text())
+    settings = pilot["settings"]
+    assert [r["kind"] for r in pilot["runs"]] == list(settings["pilot_kinds"])
+    for record in pilot["runs"]:
+        assert record["steps"] == settings["pilot_steps"] and record["phase"] == "pilot"
+        assert record["eval_steps"] == list(range(settings["pilot_eval_every"], settings["pilot_steps"] + 1,
+                                                  settings["pilot_eval_every"]))
+        for accuracies in record["validation_accuracy"]:
+            assert set(accuracies) == {"all", "first"}
+            assert set(accuracies["all"]) == {str(n) for n in settings["train_needle_counts"]}
+    text = (out / "pilot.md").read_text()
+    assert "| transformer, lr" in text and (out / "pilot.png").stat().st_size > 0
+    assert not (out / "pilot_jobs.jsonl").exists()
+    harness.main(["--quick", "--pilot", "--out", str(tmp_path), "--report-only"])
+    assert (out / "pilot.md").read_text() == text
