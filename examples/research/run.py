@@ -1637,13 +1637,13 @@ def write_pilot(pilot: dict, settings: Settings, out: Path) -> str:
         for count in all_counts:
             line, = axis.plot(record["eval_steps"], [a["all"][str(count)] for a in record["validation_accuracy"]],
                               label=f"N={count}", linewidth=1.0)
-            if count >= 2:
+            if count >= 2 and record["validation_accuracy"][0]["first"] is not None:
                 axis.plot(record["eval_steps"], [a["first"][str(count)] for a in record["validation_accuracy"]],
                           color=line.get_color(), linestyle="--", linewidth=0.6)
             axis.axhline(1 / count, color=line.get_color(), linestyle=":", linewidth=0.7)
         axis.set_ylim(-0.02, 1.02)
-        axis.set_title(f"{record['kind']}, hidden {record['hidden']}, {record['context']} tokens, lr {record['lr']:g}",
-                       fontsize=8)
+        axis.set_title(f"{record['kind']}, hidden {record['hidden']}, {record['context']} tokens, lr {record['lr']:g}"
+                       + (" (incomplete)" if record.get("incomplete") else ""), fontsize=8)
         axis.set_xlabel("training step", fontsize=8)
     axes[0, 0].set_ylabel("validation accuracy\n(solid: every query; dashed: first query; dotted: 1/N)", fontsize=7)
     axes[0, 0].legend(fontsize=7)
@@ -1668,10 +1668,13 @@ def write_pilot(pilot: dict, settings: Settings, out: Path) -> str:
         f"{settings.validation_examples} held-out examples per count, over every query and over the first query of "
         "each example (the elimination control). A model that copies a random needle's value scores 1/N; *left 1/N* "
         "is the first evaluation at which the accuracy over every query reached halfway from 1/N to 1; *0.9* the "
-        "first at or above 0.9.", "",
+        "first at or above 0.9. A run marked *incomplete* stopped before its last step; its curve is what its "
+        "progress lines printed (every query only, 2 decimals): see its `note` in pilot.json. The validation loss of "
+        f"a model that gives each of an example's N needle values probability 1/N (retrieval without key matching) is "
+        f"{plateau_loss(settings):.3f}.", "",
         "| run | " + " | ".join(f"N={n}: left 1/N | N={n}: 0.9" for n in counts)
-        + " | last accuracy per N, every query | last accuracy per N, first query | steps/s |",
-        "| --- | " + " | ".join("--- | ---" for _ in counts) + " | --- | --- | --- |",
+        + " | last accuracy per N, every query | last accuracy per N, first query | lowest validation loss | steps/s |",
+        "| --- | " + " | ".join("--- | ---" for _ in counts) + " | --- | --- | --- | --- |",
     ]
     for record in records:
         cells = []
@@ -1680,10 +1683,13 @@ def write_pilot(pilot: dict, settings: Settings, out: Path) -> str:
                 step = first_step_reaching(record, count, level)
                 cells.append(f"{step}" if step is not None else f"not by {record['steps']}")
         last = record["validation_accuracy"][-1]
-        lines.append(f"| {record['kind']}, lr {record['lr']:g} | " + " | ".join(cells) + " | "
-                     + ", ".join(f"{n}: {a:.2f}" for n, a in last["all"].items()) + " | "
-                     + ", ".join(f"{n}: {a:.2f}" for n, a in last["first"].items() if int(n) >= 2)
-                     + f" | {record['steps_per_second']:.1f} |")
+        first = ("not recorded" if last["first"] is None
+                 else ", ".join(f"{n}: {a:.2f}" for n, a in last["first"].items() if int(n) >= 2))
+        speed = "-" if record.get("steps_per_second") is None else f"{record['steps_per_second']:.1f}"
+        lines.append(f"| {record['kind']}, lr {record['lr']:g}" + (" (incomplete)" if record.get("incomplete") else "")
+                     + " | " + " | ".join(cells) + " | "
+                     + ", ".join(f"{n}: {a:.2f}" for n, a in last["all"].items())
+                     + f" | {first} | {min(record['validation_losses']):.4f} | {speed} |")
     lines += ["", "![validation accuracy per needle count against steps](pilot.png)", ""]
     text = "\n".join(lines)
     (out / "pilot.md").write_text(text)
