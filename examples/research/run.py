@@ -3,8 +3,8 @@
 
     python examples/research/run.py [--quick | --gpu] [--pilot] [--device cuda] [--out DIR] [--workers 2] [--resume]
 
-Every run trains until a convergence rule fixed in code (`converged`) says stop, or a step cap (set from a pilot,
-`--pilot`); each architecture gets its own learning rate from a small sweep (`Settings.learning_rates`) judged on a
+Every run trains until a convergence rule fixed in code (`converged`) says stop, or a step cap (`--pilot` measures
+accuracy against steps to choose it); each architecture gets its own learning rate from a small sweep (`Settings.learning_rates`) judged on a
 validation set that neither training nor the test set uses. Then, over 5 seeds with 95% bootstrap intervals and a
 decision rule fixed in code (`beats`):
   - "transformer": transformers' `LlamaForCausalLM`, "diff": `DintForCausalLM(integral="none")` (DIFF attention),
@@ -27,6 +27,7 @@ seeds, never on scheduling. Writes `report.md`, `results.json` and PNGs to `--ou
 """
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -34,6 +35,7 @@ import math
 import multiprocessing
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -149,7 +151,7 @@ class Settings:
     # needle config, seed `seeds[0]`, their chosen learning rate, exactly `long_steps` steps, no early stopping
     long_steps: int = 2500
     long_kinds: tuple = ("transformer", "dint")
-    # the pilot (`--pilot`, before the run: it sets `max_steps`): these kinds on the first needle config, seed
+    # the pilot (`--pilot`, before the run, to choose `max_steps`): these kinds on the first needle config, seed
     # `sweep_seed`, each learning rate, exactly `pilot_steps` steps, validation accuracy per N every `pilot_eval_every`
     pilot_kinds: tuple = ARCHITECTURES
     pilot_learning_rates: tuple = (2e-3,)
@@ -532,14 +534,15 @@ def train_to_convergence(
     evaluation_logits_of = functools.partial(answer_logits, model)  # eager: a compiled graph costs more than it saves
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / settings.warmup_steps))
     model.train()
-    eval_steps, validation_losses, validation_accuracies, train_losses = [], [], [], []
+    eval_steps, validation_losses, validation_accuracies = [], [], []
+    recent_train_losses = collections.deque(maxlen=eval_every)  # bounded: a long run keeps only these
     best_loss, best_state, best_step = math.inf, None, 0
     step = 0
     started_wall, started_cpu = time.perf_counter(), time.thread_time()
     while True:
         loss = training_step(to_device(next_batch(), settings.device))
         scheduler.step()
-        train_losses.append(loss.detach())
+        recent_train_losses.append(loss.detach())
         step += 1
         if step == 1:  # the first step compiles: its time is kept apart from the steps per second
             first_step_wall, first_step_cpu = time.perf_counter() - started_wall, time.thread_time() - started_cpu
@@ -570,13 +573,15 @@ def train_to_convergence(
         "steps_per_second": (step - 1) / max(loop_wall - first_step_wall, 1e-9),
         "steps_per_cpu_second": (step - 1) / max(loop_cpu - first_step_cpu, 1e-9),
         "hit_cap": step >= max_steps,
+        # the worker process's peak resident memory so far (MB): a long run that grows shows here
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "best_step": best_step,
         "best_validation_loss": best_loss,
         "eval_steps": eval_steps,
         "validation_losses": validation_losses,
         # per eval: {"all": {N: accuracy over every query}, "first": {N: accuracy of the first query}} (needle task)
         "validation_accuracy": validation_accuracies,
-        "final_train_loss": torch.stack(train_losses[-eval_every:]).mean().item(),
+        "final_train_loss": torch.stack(list(recent_train_losses)).mean().item(),
     }
 
 
