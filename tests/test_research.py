@@ -30,46 +30,92 @@ def load_harness():
 def test_needle_batch_layout():
     harness = load_harness()
     vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, 2, vocab)
-    input_ids, labels = batch["input_ids"], batch["labels"]
-    assert input_ids.shape == labels.shape == (32, 40)
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    input_ids = batch["input_ids"]
+    assert input_ids.shape == batch["filler"].shape == (32, 40)
+    assert all(batch[field].shape == (32 * 4,) for field in harness.ANSWER_FIELDS)
     # same seed, same examples (the data order every architecture shares)
-    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, 2, vocab)
-    assert torch.equal(input_ids, again["input_ids"])
+    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    assert all(torch.equal(batch[key], again[key]) for key in batch)
     for row in range(32):
         tokens = input_ids[row].tolist()
         needle_starts = [i for i, t in enumerate(tokens) if t == vocab.needle_marker]
-        assert len(needle_starts) == 4
-        needle_keys = [tokens[i + 1] for i in needle_starts]
-        assert len(set(needle_keys)) == 4  # distinct keys: each query has one right answer
-        # loss only on the answer values, and each answer is the value stored with the queried key
-        assert (labels[row] != -100).sum() == 2
-        for q in range(2):
-            key_position = batch["answer_position"][row, q].item()
-            start = batch["needle_start"][row, q].item()
+        assert len(needle_starts) == 4 and needle_starts == sorted(needle_starts)
+        needles = {tokens[i + 1]: tokens[i + 2] for i in needle_starts}
+        assert len(needles) == 4 and len(set(needles.values())) == 4  # distinct keys and values
+        # the query section: QUERY key, one per needle, every needle once; the answers are not in the input
+        assert tokens[-8::2] == [vocab.query_marker] * 4 and sorted(tokens[-7::2]) == sorted(needles)
+        assert not set(needles.values()) & set(tokens[-8:])
+        answers = (batch["answer_rows"] == row).nonzero().flatten()
+        assert batch["query_index"][answers].tolist() == [0, 1, 2, 3]
+        for answer in answers.tolist():
+            key_position = batch["answer_columns"][answer].item()
+            start = batch["needle_start"][answer].item()
             assert tokens[key_position - 1] == vocab.query_marker
-            assert tokens[start : start + 3] == [vocab.needle_marker, tokens[key_position], tokens[key_position + 1]]
-            assert labels[row, key_position + 1] == tokens[key_position + 1]
-        filler = batch["filler"][row]
-        assert all(vocab.first_filler <= t < vocab.size for t, f in zip(tokens, filler.tolist()) if f)
-        assert filler.sum() == 40 - 3 * 4 - 3 * 2
+            assert tokens[start : start + 2] == [vocab.needle_marker, tokens[key_position]]
+            assert batch["answers"][answer].item() == needles[tokens[key_position]] == tokens[start + 2]
+        filler = batch["filler"][row].tolist()
+        assert sum(filler) == 40 - 3 * 4 - 2 * 4
+        assert all(vocab.first_filler <= t < vocab.size for t, f in zip(tokens, filler) if f)
+
+
+def test_needle_batch_with_teacher_forced_answers():
+    """The paper's query format (`QUERY key value`), which `elimination_check.py` trains on: the answer follows its
+    key in the input."""
+    harness = load_harness()
+    vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(2), 16, 40, 4, vocab, query_count=2,
+                                      answers_in_input=True)
+    assert batch["answers"].shape == (16 * 2,)
+    columns = batch["answer_columns"]
+    assert torch.equal(batch["input_ids"][batch["answer_rows"], columns + 1], batch["answers"])
+    assert torch.equal(batch["input_ids"][batch["answer_rows"], columns - 1],
+                       torch.full_like(columns, vocab.query_marker))
+    assert (columns == 40 - 6 + 1).sum() == 16 and (columns == 40 - 3 + 1).sum() == 16
+    with pytest.raises(ValueError, match="cannot hold"):
+        harness.make_needle_batch(torch.Generator(), 2, 19, 4, vocab)  # 4 needles and 4 queries need 20
 
 
 def test_mixed_needle_batch_has_each_needle_count():
     harness = load_harness()
     vocab = harness.NeedleVocabulary(key_vocab=32, value_vocab=32, filler_vocab=64)
-    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), 2, vocab)
+    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), vocab)
     assert batch["input_ids"].shape == (32, 64)
     needles = (batch["input_ids"] == vocab.needle_marker).sum(-1).tolist()
-    answers = (batch["labels"] != -100).sum(-1).tolist()
     assert needles == [1] * 8 + [2] * 8 + [4] * 8 + [6] * 8
-    assert answers == [1] * 8 + [2] * 24  # min(2, N) queried
+    # every needle queried: N answers per row, in the row's own place
+    assert torch.bincount(batch["answer_rows"]).tolist() == needles
+    assert torch.equal(batch["needle_count"], torch.tensor(needles)[batch["answer_rows"]])
+    assert torch.equal(batch["input_ids"][batch["answer_rows"], batch["needle_start"]],
+                       torch.full_like(batch["answers"], vocab.needle_marker))
 
 
-def test_architectures_have_equal_size():
+def test_answer_logits_are_the_models_logits():
+    """The harness's loss reads the LM head at the answers only: the same logits as the model's full forward, and on
+    a next-token batch the same loss as the model's own causal-LM loss."""
     harness = load_harness()
     settings = harness.quick_settings()
-    hidden = 32
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(4), 8, 32, (1, 2, 4, 6), vocab)
+    for kind in ("transformer", "dint"):
+        model = harness.build_model(kind, vocab.size, 64, settings, 16, 0).eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+            picked = harness.answer_logits(model, batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
+            torch.testing.assert_close(picked, logits[batch["answer_rows"], batch["answer_columns"]].float())
+            lm = harness.next_token_batch(batch["input_ids"])
+            loss = torch.nn.functional.cross_entropy(
+                harness.answer_logits(model, lm["input_ids"], lm["answer_rows"], lm["answer_columns"]), lm["answers"]
+            )
+            reference = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            torch.testing.assert_close(loss, reference)
+
+
+@pytest.mark.parametrize("preset", ["quick_settings", "Settings", "gpu_settings"])
+def test_architectures_have_equal_size(preset):
+    harness = load_harness()
+    settings = getattr(harness, preset)()
+    hidden = settings.needle_configs[0][0]
     counts = {
         kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, hidden, 0))
         for kind in ("transformer", "diff", "dint")
@@ -79,6 +125,25 @@ def test_architectures_have_equal_size():
     assert counts["diff"] == counts["dint"] == counts["transformer"] + layers * (4 * head_dim + 2 * head_dim)
     no_norm = harness.build_model("no_head_norm", 100, 64, settings, hidden, 0)
     assert harness.count_parameters(no_norm) == counts["transformer"] + layers * 4 * head_dim
+
+
+@pytest.mark.parametrize("preset", ["Settings", "gpu_settings"])
+def test_preset_fits_its_data(preset):
+    """Every trained length holds the largest needle count with all its queries, and the corpus holds the
+    language-modelling validation and test tokens the preset asks for; `--dry-run` keeps the sizes and cuts the steps."""
+    harness = load_harness()
+    settings = getattr(harness, preset)()
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    for _, context in settings.needle_configs:
+        count = max(settings.needle_counts + settings.train_needle_counts)
+        assert harness.make_needle_batch(torch.Generator().manual_seed(0), 2, context, count, vocab)["answers"].numel() == 2 * count
+    corpus = harness.load_corpus(settings)
+    assert len(corpus["validation"]) == settings.lm_validation_tokens + 1
+    assert len(corpus["test"]) >= settings.lm_test_tokens // settings.lm_context * settings.lm_context
+    dry = getattr(harness, preset)()
+    harness.shrink_for_dry_run(dry)
+    assert (dry.needle_configs, dry.seeds, dry.device) == (settings.needle_configs, settings.seeds, settings.device)
+    assert max(dry.max_steps, dry.lm_max_steps, dry.long_steps, dry.pilot_steps, dry.test_examples) <= 8
 
 
 def test_convergence_rule_on_a_synthetic_curve():
@@ -130,7 +195,7 @@ def test_a_job_is_deterministic():
     first = harness.run_job(job, harness.dataclasses.asdict(settings))
     torch.manual_seed(123)  # global state must not matter
     second = harness.run_job(job, harness.dataclasses.asdict(settings))
-    for key in ("validation_losses", "accuracy", "answer_share", "steps", "best_step"):
+    for key in ("validation_losses", "accuracy", "first_query_accuracy", "answer_share", "steps", "best_step"):
         assert first[key] == second[key]
     assert first["steps"] == 6 and first["hit_cap"]
 
@@ -142,21 +207,48 @@ def test_attention_statistics_partition_the_answer_query_row():
     settings = harness.quick_settings()
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     needles = 4
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, 1, vocab)
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, vocab)
+    answers = torch.arange(6 * needles)
     for kind in ("transformer", "dint"):
         model = harness.build_model(kind, vocab.size, 48, settings, 32, 0)
         statistics, _ = harness.attention_statistics(model, kind, batch)
         model.set_attn_implementation("eager")
         attentions = model(input_ids=batch["input_ids"], output_attentions=True).attentions
         final_maps = harness.final_attention_maps(model, kind, attentions)
-        rows = final_maps[-1].mean(1)[torch.arange(6), batch["answer_position"][:, 0]]  # [B, T]
-        query_section = rows[:, 48 - 3 :].sum(-1).mean().item()
+        rows = final_maps[-1].mean(1)[batch["answer_rows"], batch["answer_columns"]]  # [R, T]
+        query_section = rows[:, 48 - 2 * needles :].sum(-1).mean().item()
         total = (statistics["answer_share"] + statistics["filler_share"] + query_section
                  + (needles - 1) * statistics["other_needle_share"])
         assert total == pytest.approx(1.0, abs=1e-5)
-        value_position = batch["needle_start"][:, 0] + 2
-        per_head = final_maps[0][torch.arange(6), :, value_position, value_position - 1].mean(0)
+        queried = rows[answers[:, None], batch["needle_start"][:, None] + torch.arange(3)].sum(-1)
+        assert statistics["answer_share"] == pytest.approx(queried.mean().item(), abs=1e-6)
+        value_position = batch["needle_start"] + 2
+        per_head = final_maps[0][batch["answer_rows"], :, value_position, value_position - 1].mean(0)
         assert statistics["previous_token_score"] == pytest.approx(per_head.max().item(), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_training_step_matches_eager():
+    """The compiled training step (forward and backward by torch.compile) makes the same losses as the eager one on
+    the same model and batches, and its job is deterministic like the eager one."""
+    harness = load_harness()
+    settings = harness.quick_settings()
+    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    histories = {}
+    for compiled in (False, True):
+        settings.compile = compiled
+        model = harness.build_model("dint", vocab.size, 64, settings, 16, 0)
+        generator = torch.Generator().manual_seed(0)
+        validation = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 12, 32, (1, 2, 4), vocab)
+        histories[compiled] = harness.train_to_convergence(
+            model, lambda: harness.make_mixed_needle_batch(generator, 12, 32, (1, 2, 4), vocab), validation, 3e-3,
+            20, 20, 5, settings,
+        )
+    assert histories[True]["validation_losses"] == pytest.approx(histories[False]["validation_losses"], rel=1e-4)
+    job = dict(phase="main", task="needle", kind="transformer", hidden=16, context=32, lr=2e-3, seed=0)
+    settings.min_steps, settings.max_steps = 4, 6
+    first, second = (harness.run_job(job, harness.dataclasses.asdict(settings)) for _ in range(2))
+    assert first["validation_losses"] == second["validation_losses"] and first["accuracy"] == second["accuracy"]
 
 
 @pytest.mark.slow
@@ -165,7 +257,8 @@ def test_quick_run_writes_complete_report(tmp_path):
     out = harness.main(["--quick", "--out", str(tmp_path)])
     report = (out / "report.md").read_text()
     for section in ("## Rules fixed before the run", "## Setup", "## Learning-rate sweep", "## Convergence",
-                    "## Multi-needle retrieval", "## Length generalisation", "## Model size", "## Attention analysis",
+                    "## Multi-needle retrieval", "### The first query of each example", "## Length generalisation",
+                    "## Model size", "## Attention analysis",
                     "## Ablations", "## Language modelling", "## Claims, one by one", "## Was the task learned?",
                     "## What changed from the earlier runs", "## Why this may differ"):
         assert section in report
@@ -197,8 +290,9 @@ def test_quick_run_writes_complete_report(tmp_path):
                        and r["phase"] != "long"]
             assert sorted(r["seed"] for r in records) == sorted(seeds)
             for record in records:
-                assert set(record["accuracy"]) == {str(f) for f in settings["length_factors"]}
-                assert all(0 <= a <= 1 for by_count in record["accuracy"].values() for a in by_count.values())
+                for field in ("accuracy", "first_query_accuracy"):
+                    assert set(record[field]) == {str(f) for f in settings["length_factors"]}
+                    assert all(0 <= a <= 1 for by_count in record[field].values() for a in by_count.values())
                 assert 0 < record["steps"] <= settings["max_steps"]
     for kind in settings["ablations"]:
         assert len([r for r in runs if r["kind"] == kind]) == len(seeds)
@@ -216,7 +310,31 @@ def test_quick_run_writes_complete_report(tmp_path):
         if record["kind"] == "transformer":
             assert record["negative_fraction"] == 0
     assert results["claims"]
-    assert results["wall_seconds"] < 180
+    assert results["wall_seconds"] < 600  # "a few minutes" (README); loose: the cores are shared
     # the report is a pure function of results.json: --report-only rewrites it identically
     harness.main(["--quick", "--out", str(tmp_path), "--report-only"])
     assert (out / "report.md").read_text() == report
+
+
+@pytest.mark.slow
+def test_quick_pilot_writes_its_curve(tmp_path):
+    """`--pilot`: each architecture trained exactly `pilot_steps` steps, its validation accuracy per needle count over
+    every query and over the first query at every evaluation, in pilot.json, pilot.md and pilot.png; `--report-only`
+    rewrites pilot.md identically from pilot.json."""
+    harness = load_harness()
+    out = harness.main(["--quick", "--pilot", "--out", str(tmp_path)])
+    pilot = json.loads((out / "pilot.json").read_text())
+    settings = pilot["settings"]
+    assert [r["kind"] for r in pilot["runs"]] == list(settings["pilot_kinds"])
+    for record in pilot["runs"]:
+        assert record["steps"] == settings["pilot_steps"] and record["phase"] == "pilot"
+        assert record["eval_steps"] == list(range(settings["pilot_eval_every"], settings["pilot_steps"] + 1,
+                                                  settings["pilot_eval_every"]))
+        for accuracies in record["validation_accuracy"]:
+            assert set(accuracies) == {"all", "first"}
+            assert set(accuracies["all"]) == {str(n) for n in settings["train_needle_counts"]}
+    text = (out / "pilot.md").read_text()
+    assert "| transformer, lr" in text and (out / "pilot.png").stat().st_size > 0
+    assert not (out / "pilot_jobs.jsonl").exists()
+    harness.main(["--quick", "--pilot", "--out", str(tmp_path), "--report-only"])
+    assert (out / "pilot.md").read_text() == text
