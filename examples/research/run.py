@@ -46,7 +46,6 @@ import numpy as np
 import torch
 import transformers
 
-# modeling_dint before transformers' model classes: it silences the known-harmless lines torchao prints on import.
 from modeling_dint import DintConfig, DintForCausalLM, dint_attention_map
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
