@@ -72,7 +72,6 @@ from .integral_dint import (
     default_position_ids,
     document_starts,
     segmented_running_sum,
-    uses_materializing_path,
 )
 
 

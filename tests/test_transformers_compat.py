@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
-from transformers import StaticCache, cache_utils, masking_utils
+from transformers import StaticCache, cache_utils
 
 from modeling_dint import DintDynamicLayer, DintStaticLayer
 from modeling_dint import transformers_compat as compat
