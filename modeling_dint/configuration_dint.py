@@ -202,19 +202,25 @@ class DintConfig(PreTrainedConfig):
                 f"attention map, got {self.attention_dropout!r}."
             )
 
-    def check_tensor_parallel_size(self, tp_size: int) -> None:
-        """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard this config over
-        `tp_size` processes: each rank needs whole differential heads, so `tp_size` must divide
-        `num_key_value_heads / 2`, and the plan shards no attention bias."""
+    def check_tensor_parallel_heads(self, tp_size: int) -> None:
+        """Raises a ValueError unless `tp_size` ranks can each hold whole differential heads (a signal map, its noise
+        map and both halves of their V): `tp_size` must divide `num_key_value_heads / 2`. The rule of every
+        tensor-parallel layout of DINT (transformers' `packed_colwise` plan, the vLLM model)."""
         kv_head_pairs = self.num_key_value_heads // 2
         if kv_head_pairs % tp_size != 0:
             allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
             raise ValueError(
-                f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: the number of processes "
-                f"must divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads="
-                f"{self.num_key_value_heads}), so that each rank holds whole differential heads (a signal map, its "
-                f"noise map and both halves of their V). Allowed: {allowed}."
+                f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: "
+                f"tensor_parallel_size={tp_size} must divide num_key_value_heads / 2 = {kv_head_pairs} "
+                f"(num_key_value_heads={self.num_key_value_heads}), so that each rank holds whole differential heads "
+                f"(a signal map, its noise map and both halves of their V). Allowed: {allowed}."
             )
+
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard this config over
+        `tp_size` processes: whole differential heads per rank (`check_tensor_parallel_heads`), and no attention bias
+        (the plan shards a bias contiguously)."""
+        self.check_tensor_parallel_heads(tp_size)
         if self.attention_bias:
             raise ValueError(
                 "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "

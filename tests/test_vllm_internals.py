@@ -134,7 +134,7 @@ def test_load_time_refusals_name_the_field():
     with pytest.raises(ValueError, match="integral='softmax'"):
         dint_vllm.check_servable(DintConfig(hidden_size=128, num_attention_heads=8, integral="softmax"))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide num_key_value_heads / 2 = 2"):
-        dint_vllm.check_tensor_parallel_size(DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4), 4)
+        DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4).check_tensor_parallel_heads(4)
 
 
 # ------------------------------------------------------------------------- the same internals, in a source tree

@@ -115,19 +115,6 @@ def check_servable(config: DintConfig) -> None:
         )
 
 
-def check_tensor_parallel_size(config: DintConfig, tp_size: int) -> None:
-    """Each rank holds whole KV head pairs (a differential head's signal and noise maps and both V halves), so the
-    tensor-parallel size must divide `num_key_value_heads / 2`."""
-    kv_head_pairs = config.num_key_value_heads // 2
-    if kv_head_pairs % tp_size != 0:
-        allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
-        raise ValueError(
-            f"DINT on vLLM gives each tensor-parallel rank whole KV head pairs: tensor_parallel_size={tp_size} must "
-            f"divide num_key_value_heads / 2 = {kv_head_pairs} (num_key_value_heads={config.num_key_value_heads}); "
-            f"allowed: {allowed}."
-        )
-
-
 def differential_head_count(config: DintConfig, tp_size: int) -> int:
     """The differential heads (H/2) of one tensor-parallel rank."""
     return config.num_attention_heads // 2 // tp_size
@@ -262,7 +249,7 @@ class DintVllmAttention(nn.Module):
         vllm_config = get_current_vllm_config()
         tp_size = get_tensor_model_parallel_world_size()
         check_servable(config)
-        check_tensor_parallel_size(config, tp_size)
+        config.check_tensor_parallel_heads(tp_size)  # vLLM's QKV layer shards a bias per head: no bias rule here
         self.config = config
         self.integral = config.integral
         self.head_dim = config.head_dim
