@@ -27,15 +27,51 @@ def load_harness():
     return run
 
 
-def test_needle_batch_layout():
+def test_pairs_first_needle_batch_layout():
+    """Zoology's multi-query associative recall: the key-value pairs side by side first, then each key once more, as
+    its own query, at a random place in the filler after them; the answer is the key's value and is not in the input
+    after the query."""
     harness = load_harness()
     vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
     batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
     input_ids = batch["input_ids"]
+    assert input_ids.shape == batch["filler"].shape == batch["needles"].shape == (32, 40)
+    assert all(batch[field].shape == (32 * 4,) for field in harness.ANSWER_FIELDS)
+    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    assert all(torch.equal(batch[key], again[key]) for key in batch)
+    for row in range(32):
+        tokens = input_ids[row].tolist()
+        pairs = dict(zip(tokens[0:8:2], tokens[1:8:2]))
+        assert all(vocab.first_key <= key < vocab.first_value for key in pairs)
+        assert all(vocab.first_value <= value < vocab.first_filler for value in pairs.values())
+        assert len(pairs) == 4 and len(set(pairs.values())) == 4  # distinct keys and values
+        assert batch["needles"][row].tolist() == [True] * 8 + [False] * 32
+        answers = (batch["answer_rows"] == row).nonzero().flatten()
+        columns = batch["answer_columns"][answers].tolist()
+        assert batch["query_index"][answers].tolist() == [0, 1, 2, 3]
+        assert columns == sorted(columns) and len(set(columns)) == 4 and min(columns) >= 8
+        assert sorted(tokens[column] for column in columns) == sorted(pairs)  # every key queried once
+        for answer, column in zip(answers.tolist(), columns):
+            start, value_position = batch["needle_start"][answer].item(), batch["value_position"][answer].item()
+            assert tokens[start] == tokens[column] and value_position == start + 1
+            assert batch["answers"][answer].item() == pairs[tokens[column]] == tokens[value_position]
+        assert not set(pairs.values()) & set(tokens[8:])  # no answer after the pairs
+        filler = batch["filler"][row].tolist()
+        assert sum(filler) == 40 - 2 * 4 - 4 and not any(filler[column] for column in columns)
+        assert all(vocab.first_filler <= t < vocab.size for t, f in zip(tokens, filler) if f)
+    with pytest.raises(ValueError, match="`layout` must be one of"):
+        harness.make_needle_batch(torch.Generator(), 2, 40, 4, vocab, layout="zoology")
+
+
+def test_haystack_needle_batch_layout():
+    harness = load_harness()
+    vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
+    input_ids = batch["input_ids"]
     assert input_ids.shape == batch["filler"].shape == (32, 40)
     assert all(batch[field].shape == (32 * 4,) for field in harness.ANSWER_FIELDS)
     # same seed, same examples (the data order every architecture shares)
-    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
     assert all(torch.equal(batch[key], again[key]) for key in batch)
     for row in range(32):
         tokens = input_ids[row].tolist()
@@ -54,6 +90,8 @@ def test_needle_batch_layout():
             assert tokens[key_position - 1] == vocab.query_marker
             assert tokens[start : start + 2] == [vocab.needle_marker, tokens[key_position]]
             assert batch["answers"][answer].item() == needles[tokens[key_position]] == tokens[start + 2]
+            assert batch["value_position"][answer].item() == start + 2
+        assert batch["needles"][row].tolist() == [any(s <= i < s + 3 for s in needle_starts) for i in range(40)]
         filler = batch["filler"][row].tolist()
         assert sum(filler) == 40 - 3 * 4 - 2 * 4
         assert all(vocab.first_filler <= t < vocab.size for t, f in zip(tokens, filler) if f)
@@ -65,7 +103,7 @@ def test_needle_batch_with_teacher_forced_answers():
     harness = load_harness()
     vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
     batch = harness.make_needle_batch(torch.Generator().manual_seed(2), 16, 40, 4, vocab, query_count=2,
-                                      answers_in_input=True)
+                                      answers_in_input=True, layout="haystack")
     assert batch["answers"].shape == (16 * 2,)
     columns = batch["answer_columns"]
     assert torch.equal(batch["input_ids"][batch["answer_rows"], columns + 1], batch["answers"])
@@ -73,21 +111,23 @@ def test_needle_batch_with_teacher_forced_answers():
                        torch.full_like(columns, vocab.query_marker))
     assert (columns == 40 - 6 + 1).sum() == 16 and (columns == 40 - 3 + 1).sum() == 16
     with pytest.raises(ValueError, match="cannot hold"):
-        harness.make_needle_batch(torch.Generator(), 2, 19, 4, vocab)  # 4 needles and 4 queries need 20
+        harness.make_needle_batch(torch.Generator(), 2, 19, 4, vocab, layout="haystack")  # 4 needles, 4 queries: 20
+    with pytest.raises(ValueError, match="cannot hold"):
+        harness.make_needle_batch(torch.Generator(), 2, 11, 4, vocab)  # pairs first: 4 pairs and 4 queries need 12
 
 
 def test_mixed_needle_batch_has_each_needle_count():
     harness = load_harness()
     vocab = harness.NeedleVocabulary(key_vocab=32, value_vocab=32, filler_vocab=64)
-    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), vocab)
-    assert batch["input_ids"].shape == (32, 64)
-    needles = (batch["input_ids"] == vocab.needle_marker).sum(-1).tolist()
-    assert needles == [1] * 8 + [2] * 8 + [4] * 8 + [6] * 8
-    # every needle queried: N answers per row, in the row's own place
-    assert torch.bincount(batch["answer_rows"]).tolist() == needles
-    assert torch.equal(batch["needle_count"], torch.tensor(needles)[batch["answer_rows"]])
-    assert torch.equal(batch["input_ids"][batch["answer_rows"], batch["needle_start"]],
-                       torch.full_like(batch["answers"], vocab.needle_marker))
+    for layout, width in (("pairs_first", 2), ("haystack", 3)):
+        batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), vocab, layout)
+        assert batch["input_ids"].shape == (32, 64)
+        needles = (batch["needles"].sum(-1) // width).tolist()
+        assert needles == [1] * 8 + [2] * 8 + [4] * 8 + [6] * 8
+        # every needle queried: N answers per row, in the row's own place
+        assert torch.bincount(batch["answer_rows"]).tolist() == needles
+        assert torch.equal(batch["needle_count"], torch.tensor(needles)[batch["answer_rows"]])
+        assert torch.equal(batch["input_ids"][batch["answer_rows"], batch["value_position"]], batch["answers"])
 
 
 def test_answer_logits_are_the_models_logits():
@@ -118,13 +158,19 @@ def test_architectures_have_equal_size(preset):
     hidden = settings.needle_configs[0][0]
     counts = {
         kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, hidden, 0))
-        for kind in ("transformer", "diff", "dint")
+        for kind in ("transformer", "transformer_per_map", "diff", "dint")
     }
     layers, head_dim = settings.num_hidden_layers, settings.head_dim
-    # DIFF/DINT = the Transformer + 4 lambda vectors and a head-norm weight of 2*head_dim per layer
-    assert counts["diff"] == counts["dint"] == counts["transformer"] + layers * (4 * head_dim + 2 * head_dim)
+    # DIFF/DINT = the Transformer with one head per softmax map (the same projections) + 4 lambda vectors and a
+    # head-norm weight of 2*head_dim per layer
+    assert counts["diff"] == counts["dint"] == counts["transformer_per_map"] + layers * (4 * head_dim + 2 * head_dim)
     no_norm = harness.build_model("no_head_norm", 100, 64, settings, hidden, 0)
-    assert harness.count_parameters(no_norm) == counts["transformer"] + layers * 4 * head_dim
+    assert harness.count_parameters(no_norm) == counts["transformer_per_map"] + layers * 4 * head_dim
+    # the Transformer with one head per differential head: the missing heads' projections moved into its SwiGLU, to
+    # within one intermediate channel (3 * hidden parameters) per layer
+    heads, width = harness.transformer_shape("transformer", settings, hidden)
+    assert heads == settings.attention_heads // 2 and width > settings.mlp_ratio * hidden
+    assert 0 <= counts["transformer_per_map"] - counts["transformer"] < layers * 3 * hidden
 
 
 @pytest.mark.parametrize("preset", ["Settings", "gpu_settings"])
@@ -200,15 +246,17 @@ def test_a_job_is_deterministic():
     assert first["steps"] == 6 and first["hit_cap"]
 
 
-def test_attention_statistics_partition_the_answer_query_row():
+@pytest.mark.parametrize("layout", ["pairs_first", "haystack"])
+def test_attention_statistics_partition_the_answer_query_row(layout):
     """The answer query's last-layer row is split into the queried needle, the other needles (per needle), the filler
-    and the query section; the previous-token score is a first-layer value -> key attention weight."""
+    and the queries; the previous-token score is a first-layer value -> key attention weight."""
     harness = load_harness()
     settings = harness.quick_settings()
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
-    needles = 4
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, vocab)
+    needles, width = 4, {"pairs_first": 2, "haystack": 3}[layout]
+    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, vocab, layout=layout)
     answers = torch.arange(6 * needles)
+    queries = ~batch["filler"] & ~batch["needles"]  # the query keys (and the haystack's QUERY markers)
     for kind in ("transformer", "dint"):
         model = harness.build_model(kind, vocab.size, 48, settings, 32, 0)
         statistics, _ = harness.attention_statistics(model, kind, batch)
@@ -216,13 +264,13 @@ def test_attention_statistics_partition_the_answer_query_row():
         attentions = model(input_ids=batch["input_ids"], output_attentions=True).attentions
         final_maps = harness.final_attention_maps(model, kind, attentions)
         rows = final_maps[-1].mean(1)[batch["answer_rows"], batch["answer_columns"]]  # [R, T]
-        query_section = rows[:, 48 - 2 * needles :].sum(-1).mean().item()
+        query_section = (rows * queries[batch["answer_rows"]]).sum(-1).mean().item()
         total = (statistics["answer_share"] + statistics["filler_share"] + query_section
                  + (needles - 1) * statistics["other_needle_share"])
         assert total == pytest.approx(1.0, abs=1e-5)
-        queried = rows[answers[:, None], batch["needle_start"][:, None] + torch.arange(3)].sum(-1)
+        queried = rows[answers[:, None], batch["needle_start"][:, None] + torch.arange(width)].sum(-1)
         assert statistics["answer_share"] == pytest.approx(queried.mean().item(), abs=1e-6)
-        value_position = batch["needle_start"] + 2
+        value_position = batch["needle_start"] + width - 1
         per_head = final_maps[0][batch["answer_rows"], :, value_position, value_position - 1].mean(0)
         assert statistics["previous_token_score"] == pytest.approx(per_head.max().item(), abs=1e-6)
 

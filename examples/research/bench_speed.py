@@ -61,9 +61,15 @@ def load_harness_before():
 
 
 def settings_after(args) -> "harness.Settings":
-    """This harness's settings with the model shape of `BEFORE_COMMIT` (hidden / 16 heads of 16 channels), so that
-    before and after train the same model."""
-    return harness.Settings(attention_heads=args.hidden // 16, head_dim=16)
+    """This harness's settings with the model shape and the task of `BEFORE_COMMIT` (hidden / 16 heads of 16 channels;
+    needles scattered in filler, N in 1, 2, 4, 6), so that before and after train the same model on the same task."""
+    return harness.Settings(attention_heads=args.hidden // 16, head_dim=16, needle_layout="haystack",
+                            train_needle_counts=(1, 2, 4, 6))
+
+
+def kind_after(kind: str) -> str:
+    """The harness's name for `BEFORE_COMMIT`'s model: its Transformer had one head per softmax map."""
+    return "transformer_per_map" if kind == "transformer" else kind
 
 
 def answers_of_old_batch(batch: dict) -> dict:
@@ -113,7 +119,7 @@ def paired_step_rounds(kind: str, before, args) -> dict:
     max_positions = args.context * 4
     model_before = before.build_model(kind, vocab.size, max_positions, old_settings, args.hidden, 0)
     optimizer_before = torch.optim.AdamW(model_before.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    model_after = harness.build_model(kind, vocab.size, max_positions, settings, args.hidden, 0)
+    model_after = harness.build_model(kind_after(kind), vocab.size, max_positions, settings, args.hidden, 0)
     step_after = make_step_after(model_after, settings)
     model_before.train()
     model_after.train()
@@ -181,7 +187,7 @@ def loop_rounds(kind: str, before, args) -> dict:
         old_validation, 1e-3, steps, steps, 50, old_settings,
     )
     result = {"before_steps_per_second_cpu": steps / cpu, "before_steps_per_second_wall": steps / wall}
-    model = harness.build_model(kind, vocab.size, args.context * 4, settings, args.hidden, 0)
+    model = harness.build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
     generator = torch.Generator().manual_seed(0)
     validation = harness.make_mixed_needle_batch(
         torch.Generator().manual_seed(1), 256, args.context, settings.train_needle_counts, vocab)
@@ -207,7 +213,7 @@ def step_flops(kind: str, before, args) -> dict:
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     batch = before.make_mixed_needle_batch(torch.Generator().manual_seed(0), 32, args.context,
                                            before.Settings().needle_counts, 1, vocab)
-    model = harness.build_model(kind, vocab.size, args.context * 4, settings, args.hidden, 0)
+    model = harness.build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
     result = {}
     for name in ("before", "after"):
         counter = FlopCounterMode(display=False)

@@ -28,7 +28,7 @@ def two_query_batch(generator: torch.Generator, batch_size: int, context: int, n
     per_count = batch_size // len(needle_counts)
     return harness.concatenate_needle_batches([
         harness.make_needle_batch(generator, per_count, context, count, vocab, query_count=min(2, count),
-                                  answers_in_input=True)
+                                  answers_in_input=True, layout="haystack")
         for count in needle_counts
     ])
 
@@ -42,7 +42,7 @@ def main():
     settings = harness.Settings(attention_heads=4, head_dim=16)  # the model of the 2026-11-25 runs
     vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     for kind in args.kinds:
-        model = harness.build_model(kind, vocab.size, 256, settings, 64, 0)
+        model = harness.build_model("transformer_per_map" if kind == "transformer" else kind, vocab.size, 256, settings, 64, 0)
         generator = torch.Generator().manual_seed(0)
         validation = two_query_batch(torch.Generator().manual_seed(1), 256, 64, settings.needle_counts, vocab)
         # the harness's own training step, optimizer, schedule and clipping, for exactly --steps steps

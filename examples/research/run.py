@@ -61,6 +61,10 @@ DRY_RUN_OUT = Path("outputs") / "research-dry-run"
 """Where --dry-run writes by default (git-ignored), whatever the preset."""
 
 ARCHITECTURES = ("transformer", "diff", "dint")
+CONTROLS = ("transformer_per_map",)
+"""Variants run beside the architectures on the first needle config, each with its own swept learning rate, and
+reported apart (no verdict): "transformer_per_map" is the Transformer with one head per softmax map of DIFF (the DIFF
+paper's pairing), where "transformer" has one head per differential head."""
 ABLATIONS = {
     # name: DintConfig overrides on top of the "dint" architecture (paper Table 6)
     "lambda_0.8": {"lambda_init": 0.8},
@@ -95,14 +99,17 @@ class Settings:
     mlp_ratio: int = 4  # SwiGLU intermediate = mlp_ratio * hidden
     rope_theta: float = 10_000.0
     # needle retrieval: the main grid is every (hidden, trained length) pair below
-    needle_configs: tuple = ((64, 64), (64, 128), (32, 64))
+    needle_configs: tuple = ((64, 64),)
     # the paper's Table 4 counts: tested (1x, 2x, 4x the trained length), reported, compared
     needle_counts: tuple = (1, 2, 4, 6)
+    # the examples' layout (`make_needle_batch`): "pairs_first" (Zoology's multi-query associative recall) or
+    # "haystack" (needles scattered in filler, a query section at the end)
+    needle_layout: str = "pairs_first"
     # trained on: each training batch holds an equal share of each count; every needle of an example is queried
     # (multi-query associative recall, Zoology: dense supervision). The answers are not in the input, so a later
     # query cannot be answered by eliminating the values answered before without matching keys; the first query of
     # each example is reported apart all the same (the elimination control).
-    train_needle_counts: tuple = (1, 2, 4, 6)
+    train_needle_counts: tuple = (8,)
     needle_batch: int = 32  # split evenly over the needle counts
     length_factors: tuple = (1, 2, 4)
     key_vocab: int = 32
@@ -120,8 +127,8 @@ class Settings:
     learning_rates: tuple = (1e-3, 2e-3, 4e-3)
     # convergence rule (see `converged`), needle task
     eval_every: int = 50
-    min_steps: int = 300
-    max_steps: int = 700
+    min_steps: int = 1500
+    max_steps: int = 3000
     window_fraction: float = 0.2
     min_relative_improvement: float = 0.01
     min_absolute_improvement: float = 0.002
@@ -142,19 +149,21 @@ class Settings:
     grad_clip: float = 1.0
     # ablations (paper Table 6): on this (hidden, length), with DINT's chosen learning rate
     ablations: tuple = tuple(ABLATIONS)
+    # controls (`CONTROLS`): on the first needle config, their own swept learning rate, every seed; no verdict
+    controls: tuple = CONTROLS
     ablation_config: tuple = (64, 64)
     # attention analysis: held-out examples with this many needles at the trained length
     analysis_examples: int = 64
     analysis_needles: int = 4
     # diagnostic (not part of any verdict): does training far past the rule's stop help? These kinds, on the first
     # needle config, seed `seeds[0]`, their chosen learning rate, exactly `long_steps` steps, no early stopping
-    long_steps: int = 2500
-    long_kinds: tuple = ("transformer", "dint")
+    long_steps: int = 6000
+    long_kinds: tuple = ("diff", "dint")
     # the pilot (`--pilot`, before the run, to choose `max_steps`): these kinds on the first needle config, seed
     # `sweep_seed`, each learning rate, exactly `pilot_steps` steps, validation accuracy per N every `pilot_eval_every`
-    pilot_kinds: tuple = ARCHITECTURES
+    pilot_kinds: tuple = ARCHITECTURES + CONTROLS
     pilot_learning_rates: tuple = (2e-3,)
-    pilot_steps: int = 10_000
+    pilot_steps: int = 4000
     pilot_eval_every: int = 250
     bootstrap_resamples: int = 10_000
     bootstrap_seed: int = 0
@@ -218,6 +227,18 @@ def quick_settings() -> Settings:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def transformer_shape(kind: str, settings: Settings, hidden: int) -> tuple[int, int]:
+    """The (heads, SwiGLU width) per layer of a Transformer `kind`. Its heads have head_dim channels:
+    "transformer_per_map" has one per softmax map of DIFF (the DIFF paper's pairing; the same projections as DIFF),
+    "transformer" one per differential head (half as many: at this size a single head per layer learns key matching
+    where two do not reliably, see the README), its SwiGLU widened by the channels (3 * hidden parameters each) that
+    make up the attention projections of the heads it has fewer (4 * hidden * head_dim parameters each), rounded
+    down: DIFF's parameter count to within one channel per layer."""
+    heads = settings.attention_heads if kind == "transformer_per_map" else settings.attention_heads // 2
+    missing = settings.attention_heads - heads
+    return heads, settings.mlp_ratio * hidden + (4 * hidden * settings.head_dim * missing) // (3 * hidden)
+
+
 def build_model(kind: str, vocab_size: int, max_positions: int, settings: Settings, hidden: int, seed: int):
     """A Llama ("transformer") or DINT model of the same size; `kind` is an architecture or an ablation name."""
     heads = settings.attention_heads
@@ -238,7 +259,10 @@ def build_model(kind: str, vocab_size: int, max_positions: int, settings: Settin
         use_cache=False,
     )
     torch.manual_seed(seed)
-    if kind == "transformer":
+    if kind in ("transformer", *CONTROLS):
+        transformer_heads, intermediate_size = transformer_shape(kind, settings, hidden)
+        common.update(num_attention_heads=transformer_heads, num_key_value_heads=transformer_heads,
+                      intermediate_size=intermediate_size)
         return LlamaForCausalLM(LlamaConfig(**common, attn_implementation="sdpa"))
     if kind == "diff":
         overrides = {"integral": "none"}
@@ -247,7 +271,7 @@ def build_model(kind: str, vocab_size: int, max_positions: int, settings: Settin
     elif kind in ABLATIONS:
         overrides = ABLATIONS[kind]
     else:
-        raise ValueError(f"`kind` must be one of {ARCHITECTURES + tuple(ABLATIONS)}, got {kind!r}.")
+        raise ValueError(f"`kind` must be one of {ARCHITECTURES + CONTROLS + tuple(ABLATIONS)}, got {kind!r}.")
     config = DintConfig(
         **{**common, "integral": "mean", "one_pass_attention": settings.one_pass_attention, **overrides},
         attn_implementation="sdpa",
@@ -262,7 +286,7 @@ def count_parameters(model: torch.nn.Module) -> int:
 def final_attention_maps(model, kind: str, attentions, attention_mask=None) -> list[torch.Tensor]:
     """Per layer, the maps the model really mixes values with: `[B, heads, T, T]` fp32 (Llama: its softmax maps;
     DINT/DIFF: A_final of each differential head, from the package's `dint_attention_map`)."""
-    if kind == "transformer":
+    if not isinstance(model, DintForCausalLM):
         return [layer_maps.float() for layer_maps in attentions]
     return [
         dint_attention_map(
@@ -304,31 +328,45 @@ class NeedleVocabulary:
         return self.first_filler + self.filler_vocab
 
 
-ANSWER_FIELDS = ("answer_rows", "answer_columns", "answers", "query_index", "needle_count", "needle_start")
+ANSWER_FIELDS = (
+    "answer_rows", "answer_columns", "answers", "query_index", "needle_count", "needle_start", "value_position"
+)
 """The per-answer `[R]` fields of a needle batch (R = every query of every example, flattened row by row)."""
+
+NEEDLE_LAYOUTS = ("pairs_first", "haystack")
 
 
 def make_needle_batch(
     generator: torch.Generator, batch_size: int, context: int, needle_count: int, vocab: NeedleVocabulary,
-    query_count: int | None = None, answers_in_input: bool = False,
+    query_count: int | None = None, answers_in_input: bool = False, layout: str = "pairs_first",
 ) -> dict:
-    """Multi-query retrieval examples of exactly `context` tokens, made in a few tensor operations.
+    """Multi-query retrieval examples of exactly `context` tokens, made in a few tensor operations. Every example has
+    `needle_count` needles (distinct keys, distinct values) and `query_count` (default: every needle) queries of
+    distinct needles in random order; the answer, the queried needle's value, is predicted at the query's key.
 
-    Layout: random filler with `needle_count` triples `NEEDLE key value` at random non-overlapping places (distinct
-    keys and distinct values per example), then the query section: `query_count` (default: every needle) queries of
-    distinct needles in random order, each `QUERY key` (the answer, the needle's value, is predicted at the key and is
-    not in the input: a later query cannot be answered by eliminating the values answered before without matching
-    keys), or `QUERY key value` with `answers_in_input=True` (the paper's format: the answer is teacher-forced).
+    Layouts:
+    - `"pairs_first"` (multi-query associative recall as in Zoology, Arora et al. 2023): the needles are `key value`
+      pairs side by side at the start; after them random filler, in which each query is its key alone, at random
+      places. The answer is not in the input after its query.
+    - `"haystack"`: random filler with the needles as `NEEDLE key value` triples at random non-overlapping places,
+      then the query section, each query `QUERY key` (the answer not in the input), or `QUERY key value` with
+      `answers_in_input=True` (the DIFF paper's format: the answer is teacher-forced).
+    Either way a later query cannot be answered by eliminating the values answered before without matching keys.
 
-    Returns a dict: `input_ids [B, context]`, the bool mask `filler [B, context]` (the haystack's filler tokens), and
-    per answer, flattened to `[R]` with R = B * query_count: `answer_rows`, `answer_columns` (the query key's
-    position, whose next-token prediction is scored), `answers` (the value), `query_index` (0 for the first query of
-    its example), `needle_count`, `needle_start` (position of the queried needle's NEEDLE token).
+    Returns a dict: `input_ids [B, context]`, the bool masks `filler [B, context]` (the filler tokens) and `needles
+    [B, context]` (every needle's tokens), and per answer, flattened to `[R]` with R = B * query_count, in the order
+    of the queries in each example: `answer_rows`, `answer_columns` (the query key's position, whose next-token
+    prediction is scored), `answers` (the value), `query_index` (0 for the first query of its example),
+    `needle_count`, `needle_start` and `value_position` (the first and the last token of the queried needle).
     """
+    if layout not in NEEDLE_LAYOUTS:
+        raise ValueError(f"`layout` must be one of {NEEDLE_LAYOUTS}, got {layout!r}.")
+    if answers_in_input and layout != "haystack":
+        raise ValueError("`answers_in_input=True` needs `layout='haystack'` (the answer follows `QUERY key`).")
     query_count = needle_count if query_count is None else query_count
-    query_width = 3 if answers_in_input else 2
-    haystack = context - query_width * query_count
-    free_slots = haystack - 3 * needle_count  # filler tokens of the haystack; the needles go between them
+    needle_width = 2 if layout == "pairs_first" else 3
+    query_width = 1 if layout == "pairs_first" else (3 if answers_in_input else 2)
+    free_slots = context - needle_width * needle_count - query_width * query_count  # filler tokens
     if free_slots < 0 or query_count > needle_count or needle_count > min(vocab.key_vocab, vocab.value_vocab):
         raise ValueError(
             f"context {context} cannot hold {needle_count} needles and {query_count} queries (at most "
@@ -340,57 +378,75 @@ def make_needle_batch(
     values = vocab.first_value + torch.rand(batch_size, vocab.value_vocab, generator=generator).argsort(-1)[
         :, :needle_count
     ]
-    # sorted gaps: needle i starts after `offsets[:, i]` filler tokens
-    offsets = torch.randint(free_slots + 1, (batch_size, needle_count), generator=generator).sort(-1).values
-    starts = offsets + 3 * torch.arange(needle_count)  # [B, N]
-    filler = torch.zeros(batch_size, context, dtype=torch.bool)
-    filler[:, :haystack] = True
-    for offset, tokens in enumerate((vocab.needle_marker, keys, values)):
+    if layout == "pairs_first":
+        starts = (2 * torch.arange(needle_count)).expand(batch_size, needle_count)
+        needle_tokens = (keys, values)
+        pairs_end = 2 * needle_count
+        # the queries' places: query_count distinct positions after the pairs, in order
+        query_columns = pairs_end + torch.rand(batch_size, context - pairs_end, generator=generator).argsort(-1)[
+            :, :query_count
+        ].sort(-1).values
+    else:
+        haystack = context - query_width * query_count
+        # sorted gaps: needle i starts after `offsets[:, i]` filler tokens
+        offsets = torch.randint(free_slots + 1, (batch_size, needle_count), generator=generator).sort(-1).values
+        starts = offsets + 3 * torch.arange(needle_count)  # [B, N]
+        needle_tokens = (vocab.needle_marker, keys, values)
+        query_columns = (haystack + 1 + query_width * torch.arange(query_count)).expand(batch_size, query_count)
+    needles = torch.zeros(batch_size, context, dtype=torch.bool)
+    for offset, tokens in enumerate(needle_tokens):
         input_ids[batch_rows, starts + offset] = tokens
-        filler[batch_rows, starts + offset] = False
+        needles[batch_rows, starts + offset] = True
     queried = torch.rand(batch_size, needle_count, generator=generator).argsort(-1)[:, :query_count]  # [B, Q]
-    query_starts = haystack + query_width * torch.arange(query_count)  # [Q]
-    input_ids[:, query_starts] = vocab.query_marker
-    input_ids[:, query_starts + 1] = keys.gather(1, queried)
     answers = values.gather(1, queried)
-    if answers_in_input:
-        input_ids[:, query_starts + 2] = answers
+    input_ids[batch_rows, query_columns] = keys.gather(1, queried)
+    query_tokens = needles.clone()
+    query_tokens[batch_rows, query_columns] = True
+    if layout == "haystack":
+        input_ids[batch_rows, query_columns - 1] = vocab.query_marker
+        query_tokens[:, context - query_width * query_count :] = True
+        if answers_in_input:
+            input_ids[batch_rows, query_columns + 1] = answers
     flat = (batch_size * query_count,)
+    needle_start = starts.gather(1, queried)
     return {
         "input_ids": input_ids,
-        "filler": filler,
+        "filler": ~query_tokens,
+        "needles": needles,
         "answer_rows": batch_rows.expand(batch_size, query_count).reshape(flat),
-        "answer_columns": (query_starts + 1).expand(batch_size, query_count).reshape(flat),
+        "answer_columns": query_columns.reshape(flat),
         "answers": answers.reshape(flat),
         "query_index": torch.arange(query_count).expand(batch_size, query_count).reshape(flat),
         "needle_count": torch.full(flat, needle_count),
-        "needle_start": starts.gather(1, queried).reshape(flat),
+        "needle_start": needle_start.reshape(flat),
+        "value_position": (needle_start + needle_width - 1).reshape(flat),
     }
 
 
 def concatenate_needle_batches(parts: list[dict]) -> dict:
     """One batch of the examples of `parts` (same context length), in order; the answers' rows follow."""
-    batch = {key: torch.cat([part[key] for part in parts]) for key in ("input_ids", "filler", *ANSWER_FIELDS)}
+    batch = {key: torch.cat([part[key] for part in parts]) for key in ("input_ids", "filler", "needles", *ANSWER_FIELDS)}
     row_offsets = torch.cumsum(torch.tensor([0] + [len(part["input_ids"]) for part in parts[:-1]]), 0)
     batch["answer_rows"] = torch.cat([part["answer_rows"] + offset for part, offset in zip(parts, row_offsets)])
     return batch
 
 
 def make_mixed_needle_batch(
-    generator: torch.Generator, batch_size: int, context: int, needle_counts, vocab: NeedleVocabulary
+    generator: torch.Generator, batch_size: int, context: int, needle_counts, vocab: NeedleVocabulary,
+    layout: str = "pairs_first",
 ) -> dict:
     """`batch_size // len(needle_counts)` examples per needle count N, every needle queried (the training and
     validation batches): a fixed number of answers, so every training step has the same shapes."""
     per_count = batch_size // len(needle_counts)
     return concatenate_needle_batches(
-        [make_needle_batch(generator, per_count, context, count, vocab) for count in needle_counts]
+        [make_needle_batch(generator, per_count, context, count, vocab, layout=layout) for count in needle_counts]
     )
 
 
 def needle_test_set(settings: "Settings", vocab: NeedleVocabulary, length: int, count: int) -> dict:
     """The held-out test examples of one (length, needle count): a seed of their own, never trained on."""
     generator = torch.Generator().manual_seed(settings.test_seed + 1000 * length + count)
-    return make_needle_batch(generator, settings.test_examples, length, count, vocab)
+    return make_needle_batch(generator, settings.test_examples, length, count, vocab, layout=settings.needle_layout)
 
 
 _CORPUS_CACHE = {}
@@ -623,7 +679,7 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
     """Eager-attention analysis of held-out needle examples (every example has the same needle count).
 
     Returns the statistics, over every query (the answer query: the query key, where the answer is predicted), of:
-    the answer share (the mass of the answer query's last-layer row, mean over heads, on the queried needle's 3
+    the answer share (the mass of the answer query's last-layer row, mean over heads, on the queried needle's
     tokens), the filler share, the share per other needle (the mass on the other needles' tokens / their number: key
     matching shows as an answer share well above it), the previous-token score of the first layer (the largest, over
     heads, mean attention from the queried needle's value to its key: the first half of an induction circuit), the
@@ -646,16 +702,13 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
         entries += layer_map[..., causal].numel()
         worst_row_error = max(worst_row_error, (layer_map.sum(-1) - 1).abs().max().item())
 
-    rows, columns, needle_start = batch["answer_rows"], batch["answer_columns"], batch["needle_start"]
-    answer_index = torch.arange(len(rows))
+    rows, columns = batch["answer_rows"], batch["answer_columns"]
+    needle_start, value_position = batch["needle_start"], batch["value_position"]
     answer_maps = final_maps[-1].mean(dim=1)[rows, columns]  # [R, T]: each answer query's last-layer row
-    marker = batch["input_ids"] == NeedleVocabulary.needle_marker
-    every_needle = (marker | marker.roll(1, -1) | marker.roll(2, -1))[rows]  # [R, T]: every needle's 3 tokens
-    queried = torch.zeros_like(every_needle)
-    for offset in range(3):
-        queried[answer_index, needle_start + offset] = True
-    other_needles = max(int(marker[0].sum().item()) - 1, 1)
-    value_position = needle_start + 2
+    every_needle = batch["needles"][rows]  # [R, T]: every needle's tokens
+    positions = torch.arange(length)
+    queried = (positions >= needle_start[:, None]) & (positions <= value_position[:, None])  # the queried needle's
+    other_needles = (batch["needle_count"] - 1).clamp(min=1)
     previous_token = final_maps[0][rows, :, value_position, value_position - 1]  # [R, heads]
     statistics = {
         "answer_share": (answer_maps * queried).sum(-1).mean().item(),
@@ -666,7 +719,7 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
         "max_row_sum_error": worst_row_error,
     }
 
-    if kind == "transformer":
+    if not isinstance(model, DintForCausalLM):
         return statistics, {"A_final": final_maps[-1][0, 0].tolist()}
     layer_maps = outputs.attentions[-1][0:1].float().cpu()
     half = layer_maps.shape[1] // 2
@@ -724,7 +777,7 @@ def run_needle_job(job: dict, settings: Settings) -> dict:
     counts = validation_needle_counts(settings)
     validation = make_mixed_needle_batch(
         torch.Generator().manual_seed(settings.validation_seed + context), settings.validation_examples * len(counts),
-        context, counts, vocab,
+        context, counts, vocab, settings.needle_layout,
     )
     fixed_steps = {"long": settings.long_steps, "pilot": settings.pilot_steps}.get(job["phase"])
 
@@ -736,7 +789,7 @@ def run_needle_job(job: dict, settings: Settings) -> dict:
     history = train_to_convergence(
         model,
         lambda: make_mixed_needle_batch(data_generator, settings.needle_batch, context, settings.train_needle_counts,
-                                        vocab),
+                                        vocab, settings.needle_layout),
         to_device(validation, settings.device),
         job["lr"],
         fixed_steps or settings.min_steps,
@@ -759,11 +812,11 @@ def run_needle_job(job: dict, settings: Settings) -> dict:
             record["first_query_accuracy"][str(factor)][str(count)] = first_query
     analysis = make_needle_batch(
         torch.Generator().manual_seed(settings.test_seed - 1), settings.analysis_examples, context,
-        settings.analysis_needles, vocab,
+        settings.analysis_needles, vocab, layout=settings.needle_layout,
     )
     statistics, maps = attention_statistics(model, kind, analysis)
     record.update(statistics)
-    if kind != "transformer":
+    if isinstance(model, DintForCausalLM):
         record["lambda_full"] = [layer.self_attn.lambda_full().item() for layer in model.model.layers]
     if seed == settings.seeds[0]:
         record["example_maps"] = maps
@@ -819,6 +872,12 @@ def sweep_jobs(settings: Settings) -> list[dict]:
         for kind in ARCHITECTURES
         for lr in settings.learning_rates
     ]
+    hidden, _ = settings.needle_configs[0]
+    jobs += [
+        dict(phase="sweep", task="needle", kind=kind, hidden=hidden, context=shortest, lr=lr, seed=settings.sweep_seed)
+        for kind in settings.controls
+        for lr in settings.learning_rates
+    ]
     if len(settings.lm_learning_rates) > 1:
         jobs += [
             dict(phase="sweep", task="lm", kind=kind, hidden=lm_hidden(settings), context=settings.lm_context, lr=lr,
@@ -858,6 +917,12 @@ def main_jobs(settings: Settings, learning_rates: dict) -> list[dict]:
         for seed in settings.seeds
     ]
     hidden, context = settings.needle_configs[0]
+    jobs += [
+        dict(phase="control", task="needle", kind=kind, hidden=hidden, context=context,
+             lr=learning_rates[f"needle/{kind}/h{hidden}"], seed=seed)
+        for kind in settings.controls
+        for seed in settings.seeds
+    ]
     jobs += [
         dict(phase="long", task="needle", kind=kind, hidden=hidden, context=context,
              lr=learning_rates[f"needle/{kind}/h{hidden}"], seed=settings.seeds[0])
@@ -1192,9 +1257,13 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         "## Setup",
         "",
         f"- Models: {settings.num_hidden_layers} layers, SwiGLU {settings.mlp_ratio}x hidden, "
-        f"{settings.attention_heads} softmax maps of head_dim {settings.head_dim} per layer at every hidden size "
-        f"(Transformer: {settings.attention_heads} heads; DIFF/DINT: {settings.attention_heads // 2} differential "
-        "head(s) of 2 x head_dim value channels), RoPE, tied embeddings. Hidden sizes "
+        f"DIFF/DINT: {settings.attention_heads} softmax maps of head_dim {settings.head_dim} per layer at every hidden "
+        f"size ({settings.attention_heads // 2} differential head(s) of 2 x head_dim value channels); Transformer: "
+        + f"{settings.attention_heads // 2} head(s) of head_dim {settings.head_dim} (one per differential head: a "
+        "single head per layer learns key matching at this size, two do not reliably; see the control below), its "
+        f"SwiGLU widened to {transformer_shape('transformer', settings, configs[0][0])[1]} at hidden {configs[0][0]} "
+        "to keep DIFF's parameter count"
+        + "; RoPE, tied embeddings. Hidden sizes "
         + ", ".join(str(h) for h in sorted({h for h, _ in configs}))
         + ". Parameter counts: "
         + ", ".join(
@@ -1204,13 +1273,18 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         + " (transformer/diff/dint; DIFF/DINT add the lambda vectors and the head-norm weight). Run as the "
         "libraries ship them: sdpa attention, no cache, fp32; DIFF/DINT with `one_pass_attention=" 
         f"{settings.one_pass_attention}` (the package's option; the same outputs).",
-        "- Needle retrieval, multi-query associative recall (Zoology, Arora et al. 2023) in the paper's Table 4 "
-        f"layout: each training batch of {settings.needle_batch} holds an equal share of examples with N in "
-        f"{list(settings.train_needle_counts)} needles `NEEDLE key value` at random places in random filler "
-        f"({settings.key_vocab} keys, {settings.value_vocab} values, {settings.filler_vocab} filler tokens; keys and "
-        "values distinct within an example), then every needle queried once, in random order, as `QUERY key`; the "
-        "value is predicted at the key and is not in the input (dense supervision: N answers per example; loss on the "
-        "answers only). Trained lengths and sizes (hidden, length): " + ", ".join(f"({h}, {c})" for h, c in configs)
+        "- Needle retrieval, multi-query associative recall (Zoology, Arora et al. 2023) reported in the paper's "
+        f"Table 4 format: each training batch of {settings.needle_batch} holds an equal share of examples with N in "
+        f"{list(settings.train_needle_counts)} needles "
+        + ("as `key value` pairs side by side at the start, then random filler in which every needle's key appears "
+           "once more, as its own query, at a random place (the `pairs_first` layout)"
+           if settings.needle_layout == "pairs_first" else
+           "`NEEDLE key value` at random places in random filler, then every needle queried once, in random order, as "
+           "`QUERY key` (the `haystack` layout)")
+        + f" ({settings.key_vocab} keys, {settings.value_vocab} values, {settings.filler_vocab} filler tokens; keys "
+        "and values distinct within an example). The value is predicted at the query's key and is not in the input "
+        "after it (dense supervision: N answers per example; loss on the answers only). Trained lengths and sizes "
+        "(hidden, length): " + ", ".join(f"({h}, {c})" for h, c in configs)
         + f"; tested at {list(factors)}x the trained length with N in {list(counts)} (the needles and queries stay, "
         f"the filler grows; positions beyond the trained ones). Chance = {1 / settings.value_vocab:.3f}; picking a "
         "random needle's value gives 1/N.",
@@ -1222,7 +1296,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         f"- Attention analysis: eager maps of {settings.analysis_examples} held-out {settings.analysis_needles}-needle "
         "examples at the trained length, converged models. Final map = the softmax map (Transformer) or A_final from "
         "`dint_attention_map` (DIFF/DINT). Answer / filler share: mass of the answer query's last-layer row (mean over "
-        "heads) on the queried needle's 3 tokens / on filler; per other needle: the mass on the other needles' tokens "
+        "heads) on the queried needle's tokens / on filler; per other needle: the mass on the other needles' tokens "
         "divided by their number (key matching shows as an answer share far above it). Previous-token score: the "
         "first layer's largest (over heads) mean attention from the queried needle's value to its key, the first half "
         "of the induction circuit key matching needs. Negative fraction: causal entries < 0, all layers.",
@@ -1236,7 +1310,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
     lines += ["| task | hidden | architecture | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | chosen |",
               "| --- | --- | --- | " + " | ".join("---" for _ in rates) + " | --- |"]
     for record_key in sorted({(r["task"], r["hidden"], r["kind"]) for r in results["sweep"]},
-                             key=lambda k: (k[0] != "needle", k[1], ARCHITECTURES.index(k[2]))):
+                             key=lambda k: (k[0] != "needle", k[1], (ARCHITECTURES + CONTROLS).index(k[2]))):
         task, hidden, kind = record_key
         cells = []
         for lr in rates:
@@ -1251,6 +1325,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
     plateau = plateau_loss(settings)
     groups = [("needle", h, c, k) for h, c in configs for k in ARCHITECTURES]
     groups += [("needle", *settings.ablation_config, k) for k in settings.ablations]
+    groups += [("needle", *configs[0], k) for k in settings.controls]
     groups += [("lm", lm_hidden(settings), settings.lm_context, k) for k in ARCHITECTURES]
     for task, hidden, context, kind in groups:
         records = select(results, kind, hidden, context, task)
@@ -1374,7 +1449,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
               "previous-token score (layer 1) | negative fraction | max abs(row sum - 1) |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for hidden, context in configs:
-        for kind in ARCHITECTURES:
+        for kind in ARCHITECTURES + (settings.controls if (hidden, context) == configs[0] else ()):
             records = select(results, kind, hidden, context)
             lines.append(
                 f"| {hidden}, {context} | {kind} | {ci([r['answer_share'] for r in records])} | "
@@ -1408,6 +1483,33 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         lines.append(f"| {DESCRIPTIONS.get(kind, kind)} | {ci(accuracy(records, 1))} | {ci(accuracy(records, max_factor))} | "
                      + " | ".join(cells) + f" | {ci([r['best_validation_loss'] for r in records], 4)} |")
     lines.append("")
+
+    # ---- controls ----
+    for kind in settings.controls:
+        records = select(results, kind, main_hidden, main_context)
+        heads, width = transformer_shape(kind, settings, main_hidden)
+        lines += [f"## Control (no verdict): {kind}, hidden {main_hidden}, trained at {main_context}", "",
+                  f"The Transformer with {heads} heads of head_dim {settings.head_dim} and SwiGLU {width}: one head per "
+                  "softmax map of DIFF, the DIFF paper's pairing (the same query, key and value projections as DIFF), "
+                  f"its own swept learning rate ({records[0]['lr']:g}), the same seeds and data. It says whether what "
+                  "separates the architectures above is the differential map or the number of maps per layer.", "",
+                  f"| comparison | acc 1x (mean over N) | N=2 at 1x | acc {max_factor}x | left the 1/N plateau |",
+                  "| --- | --- | --- | --- | --- |"]
+        for other in ("transformer", "diff"):
+            other_records = select(results, other, main_hidden, main_context)
+            cells = []
+            for factor, count in ((1, None), (1, 2), (max_factor, None)):
+                verdict, difference = beats(accuracy(records, factor, count), accuracy(other_records, factor, count),
+                                            settings)
+                cells.append(f"{difference_text(difference)} ({verdict})")
+            lines.append(f"| {other} | {ci(accuracy(other_records, 1))} | {ci(accuracy(other_records, 1, 2))} | "
+                         f"{ci(accuracy(other_records, max_factor))} | "
+                         f"{sum(r['best_validation_loss'] < 0.8 * plateau for r in other_records)}/{len(other_records)} |")
+            lines.append(f"| {kind} - {other} | " + " | ".join(cells) + " | - |")
+        lines.append(f"| {kind} | {ci(accuracy(records, 1))} | {ci(accuracy(records, 1, 2))} | "
+                     f"{ci(accuracy(records, max_factor))} | "
+                     f"{sum(r['best_validation_loss'] < 0.8 * plateau for r in records)}/{len(records)} |")
+        lines.append("")
 
     # ---- language modelling ----
     lines += ["## Language modelling", "",
@@ -1665,8 +1767,11 @@ def write_pilot(pilot: dict, settings: Settings, out: Path) -> str:
         f"Versions: torch {env['torch']}, transformers {env['transformers']}, repo commit {env['git_commit']}; "
         f"{env['machine']}; device {settings.device}.", "",
         f"Each run: exactly {settings.pilot_steps} steps, no early stopping, seed {settings.sweep_seed} (not a test "
-        f"seed), hidden {records[0]['hidden']} with {settings.attention_heads} softmax maps of head_dim "
-        f"{settings.head_dim}, batch {settings.needle_batch} over the trained needle counts "
+        f"seed), hidden {records[0]['hidden']}, DIFF/DINT with {settings.attention_heads} softmax maps of head_dim "
+        f"{settings.head_dim} per layer, the Transformers with "
+        + ", ".join(f"{transformer_shape(kind, settings, records[0]['hidden'])[0]} head(s) of head_dim "
+                    f"{settings.head_dim} ({kind})" for kind in ("transformer", *CONTROLS))
+        + f" (`transformer_shape`: the same parameter count), batch {settings.needle_batch} over the trained needle counts "
         f"{list(settings.train_needle_counts)} (every needle queried), warmup {settings.warmup_steps} steps then a "
         f"constant learning rate. Validation accuracy per needle count every {settings.pilot_eval_every} steps on "
         f"{settings.validation_examples} held-out examples per count, over every query and over the first query of "
