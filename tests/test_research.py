@@ -215,6 +215,21 @@ def test_convergence_rule_on_a_synthetic_curve():
     # a plateau, then a late drop: the rule (like any rule of this kind) stops on the plateau
     assert stop_step(lambda s: 2.0 if s < 3000 else 0.1) == 200
 
+    # a needle run is not stopped on the task's own plateau (the loss of retrieval without key matching), only at
+    # the cap; once below plateau_fraction of it, the rule applies as before
+    def stop_step_needle(curve, plateau=2.5, every=50):
+        steps, losses = [], []
+        for step in range(every, 100_000, every):
+            steps.append(step)
+            losses.append(curve(step))
+            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings, plateau):
+                return step
+        raise AssertionError("never stopped")
+
+    assert stop_step_needle(lambda s: 2.5 if s < 3000 else 0.1) == 3750  # left the plateau at 3000: stops later
+    assert stop_step_needle(lambda s: 2.1) == 5000  # never left it: the cap
+    assert stop_step_needle(lambda s: 1.9) == 200  # below 0.8 x 2.5 from the start: as without a plateau
+
 
 def test_bootstrap_interval_and_decision_rule():
     harness = load_harness()
