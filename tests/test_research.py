@@ -197,12 +197,12 @@ def test_convergence_rule_on_a_synthetic_curve():
     settings = harness.Settings(min_steps=200, max_steps=5000, window_fraction=0.2, min_relative_improvement=0.01,
                                 min_absolute_improvement=0.0)
 
-    def stop_step(curve, every=50):
+    def stop_step(curve, plateau=None, every=50):
         steps, losses = [], []
         for step in range(every, 100_000, every):
             steps.append(step)
             losses.append(curve(step))
-            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings):
+            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings, plateau):
                 return step
         raise AssertionError("never stopped")
 
@@ -217,18 +217,9 @@ def test_convergence_rule_on_a_synthetic_curve():
 
     # a needle run is not stopped on the task's own plateau (the loss of retrieval without key matching), only at
     # the cap; once below plateau_fraction of it, the rule applies as before
-    def stop_step_needle(curve, plateau=2.5, every=50):
-        steps, losses = [], []
-        for step in range(every, 100_000, every):
-            steps.append(step)
-            losses.append(curve(step))
-            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings, plateau):
-                return step
-        raise AssertionError("never stopped")
-
-    assert stop_step_needle(lambda s: 2.5 if s < 3000 else 0.1) == 3750  # left the plateau at 3000: stops later
-    assert stop_step_needle(lambda s: 2.1) == 5000  # never left it: the cap
-    assert stop_step_needle(lambda s: 1.9) == 200  # below 0.8 x 2.5 from the start: as without a plateau
+    assert stop_step(lambda s: 2.5 if s < 3000 else 0.1, plateau=2.5) == 3750  # left the plateau at 3000: stops later
+    assert stop_step(lambda s: 2.1, plateau=2.5) == 5000  # never left it: the cap
+    assert stop_step(lambda s: 1.9, plateau=2.5) == 200  # below 0.8 x 2.5 from the start: as without a plateau
 
 
 def test_bootstrap_interval_and_decision_rule():
@@ -400,3 +391,17 @@ def test_quick_pilot_writes_its_curve(tmp_path):
     assert not (out / "pilot_jobs.jsonl").exists()
     harness.main(["--quick", "--pilot", "--out", str(tmp_path), "--report-only"])
     assert (out / "pilot.md").read_text() == text
+
+
+@pytest.mark.slow
+def test_long_pilot_writes_one_pilot_record(tmp_path):
+    """`long_pilot.py` runs one pilot job of the default preset for the steps asked and writes its record."""
+    import subprocess
+
+    out = tmp_path / "record.json"
+    subprocess.run([sys.executable, str(RESEARCH_DIR / "long_pilot.py"), "dint", "--lr", "2e-3", "--steps", "4",
+                    "--eval-every", "2", "--seed", "7", "--out", str(out)], check=True, cwd=REPO_ROOT)
+    record = json.loads(out.read_text())
+    assert (record["kind"], record["phase"], record["seed"], record["steps"]) == ("dint", "pilot", 7, 4)
+    assert record["eval_steps"] == [2, 4] and len(record["validation_accuracy"]) == 2
+    assert record["command"].startswith("python examples/research/long_pilot.py dint")
