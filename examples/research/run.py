@@ -1357,10 +1357,13 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
             f"{ci([r['best_validation_loss'] for r in records], 4)} | "
             f"{np.mean([r['steps_per_second'] for r in records]):.1f} |"
         )
+    on_plateau = [r for r in needle_main if r["best_validation_loss"] > settings.plateau_fraction * plateau]
     lines += ["", f"**{sum(r['hit_cap'] for r in needle_main)} of {len(needle_main)} needle runs and "
               f"{sum(r['hit_cap'] for r in results['runs'] if r['task'] == 'lm')} of "
               f"{sum(r['task'] == 'lm' for r in results['runs'])} language-modelling runs stopped at the step cap, "
-              "before the convergence rule fired**: their validation loss was still improving by more than the rule's margin."]
+              f"before the convergence rule fired**: {sum(r['hit_cap'] for r in on_plateau)} needle runs because they "
+              "never left the 1/N plateau (the rule does not stop a run there), the others because their validation "
+              "loss was still improving by more than the rule's margin."]
     lines += ["", f"*Left the 1/N plateau*: best validation loss below {settings.plateau_fraction} x {plateau:.3f}, the validation loss of a "
               "model that gives each needle's value probability 1/N (it retrieves, but does not match keys); a run "
               "above it has not learned key matching. *steps/s*: training steps per second of one worker, "
