@@ -405,18 +405,18 @@ def make_needle_batch(
     queried = torch.rand(batch_size, needle_count, generator=generator).argsort(-1)[:, :query_count]  # [B, Q]
     answers = values.gather(1, queried)
     input_ids[batch_rows, query_columns] = keys.gather(1, queried)
-    query_tokens = needles.clone()
-    query_tokens[batch_rows, query_columns] = True
+    not_filler = needles.clone()  # the needles and the queries
+    not_filler[batch_rows, query_columns] = True
     if layout == "haystack":
         input_ids[batch_rows, query_columns - 1] = vocab.query_marker
-        query_tokens[:, context - query_width * query_count :] = True
+        not_filler[:, context - query_width * query_count :] = True
         if answers_in_input:
             input_ids[batch_rows, query_columns + 1] = answers
     flat = (batch_size * query_count,)
     needle_start = starts.gather(1, queried)
     return {
         "input_ids": input_ids,
-        "filler": ~query_tokens,
+        "filler": ~not_filler,
         "needles": needles,
         "answer_rows": batch_rows.expand(batch_size, query_count).reshape(flat),
         "answer_columns": query_columns.reshape(flat),
