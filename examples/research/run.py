@@ -384,9 +384,9 @@ def make_needle_batch(
         :, :needle_count
     ]
     if layout == "pairs_first":
-        starts = (2 * torch.arange(needle_count)).expand(batch_size, needle_count)
+        starts = (needle_width * torch.arange(needle_count)).expand(batch_size, needle_count)
         needle_tokens = (keys, values)
-        pairs_end = 2 * needle_count
+        pairs_end = needle_width * needle_count
         # the queries' places: query_count distinct positions after the pairs, in order
         query_columns = pairs_end + torch.rand(batch_size, context - pairs_end, generator=generator).argsort(-1)[
             :, :query_count
@@ -395,7 +395,7 @@ def make_needle_batch(
         haystack = context - query_width * query_count
         # sorted gaps: needle i starts after `offsets[:, i]` filler tokens
         offsets = torch.randint(free_slots + 1, (batch_size, needle_count), generator=generator).sort(-1).values
-        starts = offsets + 3 * torch.arange(needle_count)  # [B, N]
+        starts = offsets + needle_width * torch.arange(needle_count)  # [B, N]
         needle_tokens = (vocab.needle_marker, keys, values)
         query_columns = (haystack + 1 + query_width * torch.arange(query_count)).expand(batch_size, query_count)
     needles = torch.zeros(batch_size, context, dtype=torch.bool)
@@ -501,6 +501,12 @@ def make_lm_batch(generator: torch.Generator, stream: torch.Tensor, batch_size: 
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def on_plateau(best_validation_loss: float, plateau: float, settings: Settings) -> bool:
+    """Whether a needle run has not left the 1/N plateau: its best validation loss is above `plateau_fraction` x
+    `plateau` (`plateau_loss`, the loss of a model that retrieves without matching keys)."""
+    return best_validation_loss > settings.plateau_fraction * plateau
+
+
 def converged(
     eval_steps, validation_losses, min_steps: int, max_steps: int, settings: Settings, plateau: float | None = None
 ) -> bool:
@@ -514,7 +520,7 @@ def converged(
         return True
     if step < min_steps:
         return False
-    if plateau is not None and min(validation_losses) > settings.plateau_fraction * plateau:
+    if plateau is not None and on_plateau(min(validation_losses), plateau, settings):
         return False
     window_start = step * (1 - settings.window_fraction)
     before = [loss for s, loss in zip(eval_steps, validation_losses) if s <= window_start]
@@ -1351,17 +1357,17 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
         lines.append(
             f"| {task} | {hidden} | {context} | {kind} | {records[0]['lr']:g} | {np.mean(steps):.0f} ({min(steps)}-{max(steps)}) | "
             f"{sum(r['hit_cap'] for r in records)}/{len(records)} | "
-            + (f"{sum(r['best_validation_loss'] < settings.plateau_fraction * plateau for r in records)}/{len(records)} | "
+            + (f"{sum(not on_plateau(r['best_validation_loss'], plateau, settings) for r in records)}/{len(records)} | "
                if task == "needle" else "- | ")
             + f"{np.mean([r['best_step'] for r in records]):.0f} | "
             f"{ci([r['best_validation_loss'] for r in records], 4)} | "
             f"{np.mean([r['steps_per_second'] for r in records]):.1f} |"
         )
-    on_plateau = [r for r in needle_main if r["best_validation_loss"] > settings.plateau_fraction * plateau]
+    capped_on_plateau = sum(r["hit_cap"] and on_plateau(r["best_validation_loss"], plateau, settings) for r in needle_main)
     lines += ["", f"**{sum(r['hit_cap'] for r in needle_main)} of {len(needle_main)} needle runs and "
               f"{sum(r['hit_cap'] for r in results['runs'] if r['task'] == 'lm')} of "
               f"{sum(r['task'] == 'lm' for r in results['runs'])} language-modelling runs stopped at the step cap, "
-              f"before the convergence rule fired**: {sum(r['hit_cap'] for r in on_plateau)} needle runs because they "
+              f"before the convergence rule fired**: {capped_on_plateau} needle runs because they "
               "never left the 1/N plateau (the rule does not stop a run there), the others because their validation "
               "loss was still improving by more than the rule's margin."]
     lines += ["", f"*Left the 1/N plateau*: best validation loss below {settings.plateau_fraction} x {plateau:.3f}, the validation loss of a "
@@ -1521,7 +1527,7 @@ def write_report(results: dict, settings: Settings, command: str, wall_seconds: 
             named = select(results, name, main_hidden, main_context)
             lines.append(f"| {name} | {ci(accuracy(named, 1))} | {ci(accuracy(named, 1, 2))} | "
                          f"{ci(accuracy(named, max_factor))} | "
-                         f"{sum(r['best_validation_loss'] < settings.plateau_fraction * plateau for r in named)}/{len(named)} |")
+                         f"{sum(not on_plateau(r['best_validation_loss'], plateau, settings) for r in named)}/{len(named)} |")
         for other in ("transformer", "diff"):
             other_records = select(results, other, main_hidden, main_context)
             cells = []
