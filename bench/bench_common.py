@@ -9,10 +9,13 @@ The four models (names used in every result file):
   built as N x N maps).
 - `diffllama`:  transformers' `DiffLlamaForCausalLM`, same backend as `dint_fast`.
 - `llama`:      transformers' `LlamaForCausalLM`, same backend, same number of softmax maps and head_dim.
+- `dint_v2`:    `DintForCausalLM(differential_attention="v2")` (docs/design.md section 10): the same softmax maps as
+  query heads (2h of head_dim), the same KV heads (which must divide h), one attention call over Llama's KV cache.
 
 Weights: `dint_fast` is initialized from a seed; `dint_eager` loads its state dict; DiffLlama loads every tensor but the
 head-norm weights (its group norm has none); Llama loads every tensor whose name and shape it shares (all but the
-lambda vectors and head norms).
+lambda vectors and head norms); `dint_v2` loads every tensor Llama loads but o_proj (h*head_dim wide), and its o_proj
+and lambda_proj come from the same seed.
 """
 
 import gc
@@ -29,7 +32,7 @@ from torch import nn
 from modeling_dint.transformers_compat import CACHE_ARGUMENT  # `cache` from transformers 5.24, `past_key_values` before
 
 
-MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama")
+MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama", "dint_v2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -132,6 +135,16 @@ def build_models(
             converted[cache_key] = nn.Parameter(tensor.to(device=device, dtype=target_dtype), requires_grad=True)
         shared[key] = converted[cache_key]
     buffers = {key: buffer.to(device) for key, buffer in reference.named_buffers()}
+    v2_shared = shared
+    if any(name == "dint_v2" for name, _ in models.values()):
+        # v2's own tensors (o_proj from h*head_dim, lambda_proj), from the same seed
+        torch.manual_seed(seed + 1)
+        v2_reference = DintForCausalLM(DintConfig(**size_kwargs, differential_attention="v2"))
+        v2_shared = dict(shared)
+        for key, tensor in v2_reference.state_dict().items():
+            if "o_proj" in key or "lambda_proj" in key:
+                v2_shared[key] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=True)
+        del v2_reference
     del reference, converted
 
     classes = {
@@ -139,6 +152,7 @@ def build_models(
         "dint_eager": (DintForCausalLM, DintConfig, ()),
         "diffllama": (DiffLlamaForCausalLM, DiffLlamaConfig, ("head_norm",)),
         "llama": (LlamaForCausalLM, LlamaConfig, ("head_norm", "lambda_")),
+        "dint_v2": (DintForCausalLM, DintConfig, ("head_norm", "lambda_", "o_proj")),
     }
     built = {}
     for label, (name, attn) in models.items():
@@ -146,9 +160,10 @@ def build_models(
             raise ValueError(f"model name {name!r} is not one of {MODEL_NAMES}")
         model_class, config_class, allowed_left_out = classes[name]
         implementation = "eager" if name == "dint_eager" else attn
+        fields = {**size_kwargs, "differential_attention": "v2"} if name == "dint_v2" else size_kwargs
         with torch.device("meta"):
-            model = model_class._from_config(config_class(**size_kwargs), attn_implementation=implementation)
-        _load_shared_tensors(model, shared, buffers, allowed_left_out)
+            model = model_class._from_config(config_class(**fields), attn_implementation=implementation)
+        _load_shared_tensors(model, v2_shared if name == "dint_v2" else shared, buffers, allowed_left_out)
         if name == "diffllama" and dtype != torch.float32:
             # DiffLlama keeps no tensor in fp32 (from_pretrained(dtype=...) casts its lambda vectors too).
             for module in model.modules():

@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_variants(args) -> dict:
-    from modeling_dint.integral_dint import uses_one_pass_attention
+    from modeling_dint.configuration_dint import uses_one_pass_attention
 
     size_kwargs = bench_common.model_size_kwargs(args)
     models = bench_common.build_models(

@@ -17,12 +17,14 @@ MODEL_LABELS = {
     "dint_eager": "DINT eager",
     "diffllama": "DiffLlama",
     "llama": "Llama",
+    "dint_v2": "DINT-V2",
 }
 MODEL_STYLES = {
     "dint_fast": {"color": "tab:red", "marker": "o"},
     "dint_eager": {"color": "tab:orange", "marker": "s"},
     "diffllama": {"color": "tab:blue", "marker": "^"},
     "llama": {"color": "tab:gray", "marker": "v"},
+    "dint_v2": {"color": "tab:purple", "marker": "D"},
 }
 RATIO_TARGET = 1.05
 TARGET_FROM_LENGTH = 2048

@@ -29,9 +29,15 @@ from transformers import (  # noqa: E402
 )
 
 from .cache_dint import DintDynamicLayer, DintStaticLayer, integral_state_buffers
-from .configuration_dint import DintConfig, preset_names
+from .configuration_dint import DintConfig, preset_names, uses_one_pass_attention
 from .hub import dint_model_card, push_dint_to_hub, save_dint_for_hub
-from .integral_dint import DintIntegralLayout, compose_final_attention, dint_attention_map, segmented_running_sum
+from .integral_dint import (
+    DintIntegral,
+    DintIntegralLayout,
+    compose_final_attention,
+    dint_attention_map,
+    segmented_running_sum,
+)
 from .modeling_dint import (
     DintForCausalLM,
     DintForQuestionAnswering,
@@ -65,11 +71,13 @@ __all__ = [
     "DintDynamicLayer",
     "DintStaticLayer",
     "integral_state_buffers",
+    "DintIntegral",
     "DintIntegralLayout",
     "compose_final_attention",
     "dint_attention_map",
     "segmented_running_sum",
     "preset_names",
+    "uses_one_pass_attention",
     "dint_model_card",
     "push_dint_to_hub",
     "save_dint_for_hub",

@@ -6,15 +6,17 @@ holds. The integral statistics are a recurrent state beside K/V, the same kind o
 state, so the DINT layers are transformers' own layers for that (`LinearAttentionAndFullAttentionLayer` and its
 static variant): they keep, per layer and in fp32, the recurrent states
 
-- `QUERY_COUNT` `[B]`: the number of valid query rows seen so far in the current document of each batch row;
-- `SIGNAL_SUM` `[B, H/2, 2*head_dim]`: the sum of the signal attention outputs `O1 = A1 V` over those rows (the fast
-  path, integral "mean"): O(1) in the sequence length;
+- `QUERY_COUNT` `[B]`: the number of valid query rows seen so far in the current document of each batch row (kept in
+  layer 0 only: every layer has the same);
+- `SIGNAL_SUM` `[B, H/2, C]`: the sum of the signal attention outputs `O1 = A1 V` over those rows (the fast path,
+  integral "mean"), C = `config.differential_head_dim` (v1: 2*head_dim, v2: head_dim): O(1) in the sequence length;
 - `COLUMN_SUMS` `[B, H/2, K]`: the sum of the signal maps `A1` over those rows, one value per cached key (the
   materializing path: eager attention, or integral "softmax"),
 
-which the model reads and writes through transformers' Cache-level methods only: `cache.get_recurrent_state(layer_idx,
-state_idx)` and `cache.update_recurrent_state(state, layer_idx, state_idx=..., running_rows=...)`
-(`transformers_compat.get_recurrent_state` on releases before 5.23). `reset`, `reorder_cache` (beam search),
+This file is storage only: the integral (`integral_dint.DintIntegral`) reads and writes the states through
+transformers' Cache-level methods, `cache.get_recurrent_state(layer_idx, state_idx)` and
+`cache.update_recurrent_state(state, layer_idx, state_idx=..., running_rows=...)` (`transformers_compat.
+get_recurrent_state` on releases before 5.23), and checks a cache once (`integral_dint.check_dint_cache`). `reset`, `reorder_cache` (beam search),
 offloading and the static layer's fixed addresses are transformers'. DINT adds `batch_repeat_interleave` /
 `batch_select_indices` for the states, and a `crop` that rolls the states back over the rows recorded since
 `activate_past_recording()` (assisted and prompt-lookup decoding), where transformers' linear-attention layers refuse.
@@ -27,22 +29,13 @@ Setting `_layer_type` registers the classes in transformers' cache-layer mapping
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import uses_materializing_path
+from .configuration_dint import DINT_LAYER_TYPE, uses_materializing_path
 from .transformers_compat import RecurrentStateAndFullAttentionLayer, RecurrentStateAndStaticFullAttentionLayer
 
 
 QUERY_COUNT, SIGNAL_SUM, COLUMN_SUMS = 0, 1, 2
 """The `state_idx` of each integral statistic in a DINT cache layer's recurrent states."""
 INTEGRAL_STATE_NAMES = ("query_count", "signal_sum", "column_sums")
-
-
-def integral_state_index(config) -> int | None:
-    """The sums a model with `config` carries from call to call: `SIGNAL_SUM` (fast path), `COLUMN_SUMS`
-    (materializing path), None for integral "none" (besides the sums, every DINT layer keeps `QUERY_COUNT`)."""
-    if config.integral == "none":
-        return None
-    return COLUMN_SUMS if uses_materializing_path(config) else SIGNAL_SUM
 
 
 class DintIntegralStateMixin:
@@ -274,69 +267,26 @@ class DintStaticLayer(DintIntegralStateMixin, RecurrentStateAndStaticFullAttenti
         self._reset_integral()
 
 
-def check_dint_cache(cache, config) -> None:
-    """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
-    none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
-    integral mode or path. Nothing in the cache changes then; otherwise each layer records which statistics it keeps.
-    A cache that declares `is_dint_cache` (DINT's continuous-batching step) carries every DINT layer's state itself."""
-    if getattr(cache, "is_dint_cache", False):
-        return
-    layers = getattr(cache, "layers", None)
-    if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
-        raise ValueError(
-            f"DINT needs its integral statistics in the cache, and this {type(cache).__name__} has none "
-            f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
-            "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
-            "the model / generate() create it."
-        )
-    if len(layers) < config.num_hidden_layers:
-        raise ValueError(
-            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
-            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
-        )
-    integral, state_idx = config.integral, integral_state_index(config)  # read once (a config read costs microseconds)
-    layers = layers[: config.num_hidden_layers]
-    for layer in layers:  # every layer first, so that a refusal leaves the cache as it was
-        layer.check_integral_kind(integral, state_idx)
-    for layer in layers:
-        if layer.integral_kind is None:
-            layer.integral_kind = (integral, state_idx)
-
-
-def store_integral_state(cache, layer_idx: int, state_idx: int, running_sums: torch.Tensor, layout) -> None:
-    """Stores, through the Cache-level method `update_recurrent_state`, layer `layer_idx`'s state after the last new
-    query row: its sums `state_idx` and the count of valid rows (the running values of every row go along, which the
-    layer records for `crop` while it records its past).
-
-    Args:
-        running_sums (`torch.Tensor` of shape `[B, T, *state]`, fp32): the running sums after each new row.
-        layout (`DintIntegralLayout`): the forward's layout, whose `running_query_count` `[B, T]` is the count.
-    """
-    cache.update_recurrent_state(running_sums[:, -1], layer_idx, state_idx=state_idx, running_rows=running_sums)
-    count = layout.running_query_count
-    cache.update_recurrent_state(count[:, -1], layer_idx, state_idx=QUERY_COUNT, running_rows=count)
-
-
 def integral_state_buffers(cache, config) -> dict[str, torch.Tensor]:
     """Allocates the integral states of a static cache whose keys and values are allocated
     (`Cache.early_initialization`), as zeros (an empty document), and returns them by name
     (`dint_query_count_{layer}`, `dint_signal_sum_{layer}`): what an export recipe registers as buffers beside the
     keys and values, so that the exported program updates them in place from step to step (fast path, integral
     "mean")."""
-    if integral_state_index(config) != SIGNAL_SUM:
+    if config.integral != "mean" or uses_materializing_path(config):
         raise ValueError(
             f"Exporting the decode step needs the fast path with integral 'mean' (O(1) state per layer); this model has "
             f"integral={config.integral!r} and attn_implementation={config._attn_implementation!r}."
         )
     buffers = {}
+    state_shape = (config.num_differential_heads, config.differential_head_dim)
     for layer_idx, layer in enumerate(cache.layers[: config.num_hidden_layers]):
         if not layer.is_initialized:
             raise ValueError("Allocate the cache's keys and values first (`cache.early_initialization(...)`).")
         batch_size, device = layer.keys.shape[0], layer.keys.device
-        zeros = {
-            QUERY_COUNT: torch.zeros(batch_size, device=device),
-            SIGNAL_SUM: torch.zeros(batch_size, config.num_attention_heads // 2, 2 * config.head_dim, device=device),
-        }
+        zeros = {SIGNAL_SUM: torch.zeros(batch_size, *state_shape, device=device)}
+        if layer_idx == 0:  # the count of valid rows is kept once, in layer 0
+            zeros[QUERY_COUNT] = torch.zeros(batch_size, device=device)
         for state_idx, state in zeros.items():
             cache.update_recurrent_state(state, layer_idx, state_idx=state_idx)
             buffers[f"dint_{INTEGRAL_STATE_NAMES[state_idx]}_{layer_idx}"] = layer.get_integral_state(state_idx)
@@ -351,8 +301,5 @@ __all__ = [
     "SIGNAL_SUM",
     "COLUMN_SUMS",
     "INTEGRAL_STATE_NAMES",
-    "integral_state_index",
-    "check_dint_cache",
-    "store_integral_state",
     "integral_state_buffers",
 ]

@@ -24,6 +24,13 @@ from transformers.modeling_rope_utils import RopeParameters
 DINT_LAYER_TYPE = "dint_attention"
 """The `layer_types` entry of every DINT layer: it selects the DINT cache layers, which carry the integral statistics."""
 
+DIFFERENTIAL_ATTENTIONS = ("v1", "v2")
+"""The head layouts of differential attention. `v1`: DIFF V1's, as the DINT paper and transformers' DiffLlama have it
+(the first H/2 query heads are signal maps, the last H/2 noise maps; each differential head reads 2*head_dim value
+channels; a scalar lambda per layer; a per-head RMSNorm). `v2`: DIFF V2's (docs/design.md section 10): query heads 2i
+(signal) and 2i+1 (noise) share one KV head; each differential head reads head_dim value channels; lambda per token
+and head, `sigmoid(lambda_proj(x))`; no head norm: one ordinary attention call and Llama's KV cache."""
+
 INTEGRAL_MODES = ("mean", "softmax", "none")
 """`mean`: G as in the paper's eq. 5 (default). `softmax`: the arXiv v2 text, `lambda * softmax(G)` over the valid keys of
 each row (materializes the attention maps). `none`: plain DIFF attention. The v1 text's non-causal column mean, repeated
@@ -33,6 +40,87 @@ over all rows, leaks future tokens into a causal LM and is not offered."""
 def depth_lambda_init(layer_idx: int) -> float:
     """The paper's depth schedule of lambda_init for the 0-based layer index: `0.8 - 0.6 * exp(-0.3 * layer_idx)`."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
+"""The ways DINT attention computes its output (`attention_path`)."""
+
+
+def attention_path(attn_implementation: str, integral: str, one_pass_attention: bool | None) -> str:
+    """How DINT attention computes its output, from the config's `_attn_implementation`, `integral` and
+    `one_pass_attention`:
+
+    - `MATERIALIZING`: the maps A1, A2, G and A_final (eager attention, or integral "softmax", which needs G itself);
+    - `ONE_PASS`: the fast path, O1 and O2 from one attention call over each KV head's 2*head_dim-wide V
+      `[V half 1 | V half 2]` (Q.K^T once per map): `one_pass_attention` True, or None for the backends in
+      `ONE_PASS_BY_DEFAULT`;
+    - `TWO_CALLS`: the fast path, O1 and O2 from two calls over the halves of V (DiffLlama's).
+
+    The attention asks once per layer and forward, with the fields read once: a config attribute costs microseconds
+    (transformers' `__getattribute__`), three times the arithmetic of a decoding step's combination.
+    """
+    if attn_implementation == "eager" or integral == "softmax":
+        return MATERIALIZING
+    if one_pass_attention is None:
+        return ONE_PASS if attn_implementation in ONE_PASS_BY_DEFAULT else TWO_CALLS
+    if one_pass_attention is False:
+        return TWO_CALLS
+    if attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
+            f"the query/key head dim, got attn_implementation={attn_implementation!r}. Allowed: "
+            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
+        )
+    return ONE_PASS
+
+
+def uses_materializing_path(config: "DintConfig") -> bool:
+    """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
+    needs G itself) instead of the fast path's running mean of the signal outputs (`attention_path`)."""
+    return attention_path(config._attn_implementation, config.integral, False) == MATERIALIZING
+
+
+ONE_PASS_ATTENTION_IMPLEMENTATIONS = ("flex_attention", "sdpa")
+"""The attention backends whose kernels take a value head dim (2*head_dim, one pass) other than the query/key head dim.
+FlashAttention's kernels do not."""
+
+ONE_PASS_BY_DEFAULT = ("flex_attention",)
+"""The backends where `one_pass_attention=None` makes one pass: measured faster than two calls (bench/README.md). sdpa
+is not: on CPU a wider V sends it to its math kernel (3.5x slower), and on CUDA to other kernels than FlashAttention."""
+
+
+def uses_one_pass_attention(config: "DintConfig") -> bool:
+    """Whether the fast path computes the signal and noise outputs O1, O2 in one attention call: always with v2 (one
+    call over all query heads); with v1, over each KV head's 2*head_dim-wide V `[V half 1 | V half 2]` (Q.K^T once per
+    map) instead of two calls over the halves (DiffLlama's), as `config.one_pass_attention` decides: None for the
+    backends in `ONE_PASS_BY_DEFAULT`, True or False as set (`attention_path`)."""
+    if config.differential_attention == "v2":  # one call over all query heads, whatever the backend
+        return attention_path(config._attn_implementation, config.integral, None) != MATERIALIZING
+    return attention_path(config._attn_implementation, config.integral, config.one_pass_attention) == ONE_PASS
+
+
+V1_TP_PLAN = {
+    # "packed_colwise" gives rank r block r of the signal maps AND of the noise maps (and of both halves of the KV
+    # heads), so every differential head lives on one rank; Llama's "colwise" would not. The number of ranks must divide
+    # num_key_value_heads / 2; attention_bias=False (a 1-D bias is sharded contiguously).
+    "layers.*.self_attn.q_proj": "packed_colwise",
+    "layers.*.self_attn.k_proj": "packed_colwise",
+    "layers.*.self_attn.v_proj": "packed_colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+V2_TP_PLAN = {
+    # Llama's plan: the query heads of each KV head are contiguous and hold whole pairs (2i, 2i+1), so "colwise" keeps
+    # each differential head, its KV head and its lambda row (lambda_proj) on one rank; o_proj's input block r is that
+    # rank's differential heads. The number of ranks must divide num_key_value_heads.
+    **V1_TP_PLAN,
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.lambda_proj": "colwise",
+}
 
 
 @strict
@@ -45,13 +133,17 @@ class DintConfig(PreTrainedConfig):
         hidden_size (`int`, defaults to 2048): Dimension of the hidden representations.
         intermediate_size (`int`, defaults to 8192): Dimension of the SwiGLU MLP.
         num_hidden_layers (`int`, defaults to 16): Number of decoder layers.
-        num_attention_heads (`int`, defaults to 32): Number of softmax maps per layer (`H`). It must be even: the
-            first `H/2` heads are the signal maps and the last `H/2` the noise maps of the `H/2` differential heads.
-        num_key_value_heads (`int`, *optional*): Number of key/value heads (GQA); defaults to `num_attention_heads`.
-            It must be even (the value heads split into the two halves of each differential head's `2*head_dim`
-            channels) and divide `num_attention_heads`.
+        num_attention_heads (`int`, defaults to 32): Number of softmax maps (query heads) per layer (`H`), in both
+            layouts. It must be even: `H/2` differential heads, each a signal map and a noise map (v1: the first `H/2`
+            heads are the signal maps and the last `H/2` the noise maps; v2: heads 2i and 2i+1).
+        num_key_value_heads (`int`, *optional*): Number of key/value heads (GQA); defaults to `num_attention_heads`
+            (v1) or `num_attention_heads / 2` (v2).
+            v1: it must be even (the value heads split into the two halves of each differential head's `2*head_dim`
+            channels) and divide `num_attention_heads`. v2: it must divide `H/2` (so that heads 2i and 2i+1 share a
+            KV head).
         head_dim (`int`, *optional*): Channels of one softmax map's query/key (`d`); defaults to
-            `hidden_size // num_attention_heads`. Each differential head outputs `2 * head_dim` channels.
+            `hidden_size // num_attention_heads`. Each differential head outputs `2 * head_dim` channels (v1) or
+            `head_dim` (v2): `differential_head_dim`.
         hidden_act (`str`, defaults to `"silu"`): Activation of the MLP.
         max_position_embeddings (`int`, defaults to 2048): Maximum sequence length used to build RoPE.
         initializer_range (`float`, defaults to 0.02): Standard deviation of the weight initialization.
@@ -63,11 +155,15 @@ class DintConfig(PreTrainedConfig):
         attention_bias (`bool`, defaults to `False`): Bias in the q/k/v/o projections (Qwen2-style checkpoints).
         attention_dropout (`float`, defaults to 0.0): Must be 0: neither paper defines dropout on the combined map.
         mlp_bias (`bool`, defaults to `False`): Bias in the MLP projections.
+        differential_attention (`str`, defaults to `"v1"`): The head layout, `"v1"` (the paper's, DiffLlama's) or
+            `"v2"` (DIFF V2's: one attention call, Llama's KV cache, lambda per token; see `DIFFERENTIAL_ATTENTIONS`).
         integral (`str`, defaults to `"mean"`): `"mean"`, `"softmax"` or `"none"` (see `INTEGRAL_MODES`).
-        lambda_init (`float`, *optional*): `None` for the paper's depth schedule `0.8 - 0.6 * exp(-0.3 * layer)`;
-            a float in (0, 1) uses that constant in every layer (the paper's Table 6 ablations use 0.8 and 0.5).
-        lambda_std_dev (`float`, defaults to 0.1): Standard deviation of the lambda vectors' initialization.
-        head_norm (`bool`, defaults to `True`): Per-differential-head RMSNorm over its `2 * head_dim` channels.
+        lambda_init (`float`, *optional*): v1 only. `None` for the paper's depth schedule
+            `0.8 - 0.6 * exp(-0.3 * layer)`; a float in (0, 1) uses that constant in every layer (the paper's Table 6
+            ablations use 0.8 and 0.5).
+        lambda_std_dev (`float`, defaults to 0.1): Standard deviation of the v1 lambda vectors' initialization.
+        head_norm (`bool`, *optional*): Per-differential-head RMSNorm over its `2 * head_dim` channels. Defaults to
+            True for v1 and False for v2, which has none (True with v2 is refused).
         head_norm_affine (`bool`, defaults to `True`): Whether that norm has a learned weight (initialized to 1).
         one_pass_attention (`bool`, *optional*): How the fast path computes the signal and noise outputs. `None`
             (default): in one attention call over each KV head's 2*head_dim-wide V where the backend is
@@ -75,7 +171,7 @@ class DintConfig(PreTrainedConfig):
             (as DiffLlama) elsewhere. `True`: one call, with `flex_attention` or `sdpa` (the backends whose kernels
             take a value head dim other than the query/key head dim; sdpa's CPU kernel then falls back to its slow
             math kernel). `False`: two calls. The eager backend and integral "softmax" build the maps instead (see
-            `integral_dint.uses_one_pass_attention`).
+            `uses_one_pass_attention`).
 
     ```python
     >>> from modeling_dint import DintConfig, DintForCausalLM
@@ -88,18 +184,6 @@ class DintConfig(PreTrainedConfig):
     # The cache in a model output, which Trainer's evaluation drops: `cache` from transformers 5.24, before it
     # `past_key_values`.
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # Tensor parallel: "packed_colwise" gives rank r block r of the signal maps AND of the noise maps (and of both
-    # halves of the KV heads), so every differential head lives on one rank; Llama's "colwise" would not. The number
-    # of ranks must divide num_key_value_heads / 2; attention_bias=False (a 1-D bias is sharded contiguously).
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "packed_colwise",
-        "layers.*.self_attn.k_proj": "packed_colwise",
-        "layers.*.self_attn.v_proj": "packed_colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -126,21 +210,30 @@ class DintConfig(PreTrainedConfig):
     attention_bias: bool = False
     attention_dropout: float | int | None = 0.0
     mlp_bias: bool = False
+    differential_attention: str = "v1"
     integral: str = "mean"
     lambda_init: float | int | None = None
     lambda_std_dev: float | int = 0.1
-    head_norm: bool = True
+    head_norm: bool | None = None
     head_norm_affine: bool = True
     one_pass_attention: bool | None = None
 
     def __post_init__(self, **kwargs):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+        if self.num_key_value_heads is None:  # v2: one KV head per differential head
+            v1 = self.differential_attention == "v1"
+            self.num_key_value_heads = self.num_attention_heads if v1 else self.num_attention_heads // 2
         if self.head_dim is None and self.num_attention_heads:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_norm is None:
+            self.head_norm = self.differential_attention == "v1"
         # `layer_types` is derived from `num_hidden_layers` (see the property): an entry in a saved config is ignored.
         kwargs.pop("layer_types", None)
         super().__post_init__(**kwargs)
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan of the layout (`V1_TP_PLAN` or `V2_TP_PLAN`): each differential head on one rank."""
+        return V1_TP_PLAN if self.differential_attention == "v1" else V2_TP_PLAN
 
     @property
     def layer_types(self) -> list[str]:
@@ -158,6 +251,10 @@ class DintConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Checks the DINT head layout and fields; each error names the field, the value and what is allowed."""
+        if self.differential_attention not in DIFFERENTIAL_ATTENTIONS:
+            raise ValueError(
+                f"`differential_attention` must be one of {DIFFERENTIAL_ATTENTIONS}, got {self.differential_attention!r}."
+            )
         if self.integral not in INTEGRAL_MODES:
             raise ValueError(f"`integral` must be one of {INTEGRAL_MODES}, got {self.integral!r}.")
         for name in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "hidden_size"):
@@ -169,16 +266,10 @@ class DintConfig(PreTrainedConfig):
                 f"`num_attention_heads` must be even (it counts softmax maps: a signal map and a noise map per "
                 f"differential head), got {self.num_attention_heads}."
             )
-        if self.num_key_value_heads % 2 != 0:
-            raise ValueError(
-                f"`num_key_value_heads` must be even (the value heads split into the two halves of each differential "
-                f"head's 2*head_dim channels), got {self.num_key_value_heads}."
-            )
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
-                f"({self.num_attention_heads})."
-            )
+        if self.differential_attention == "v1":
+            self._validate_v1_layout()
+        else:
+            self._validate_v2_layout()
         if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2 != 0:
             raise ValueError(
                 f"`head_dim` must be a positive even integer (RoPE rotates channel pairs), got {self.head_dim!r} "
@@ -202,26 +293,89 @@ class DintConfig(PreTrainedConfig):
                 f"attention map, got {self.attention_dropout!r}."
             )
 
+    def _validate_v1_layout(self):
+        if self.num_key_value_heads % 2 != 0:
+            raise ValueError(
+                f"`num_key_value_heads` must be even (the value heads split into the two halves of each differential "
+                f"head's 2*head_dim channels), got {self.num_key_value_heads}."
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+
+    def _validate_v2_layout(self):
+        differential_heads = self.num_attention_heads // 2
+        if differential_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"With differential_attention='v2', `num_key_value_heads` ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads / 2 = {differential_heads} (the differential heads), so that the signal and "
+                "noise query heads of each differential head share one KV head."
+            )
+        if self.head_norm:
+            raise ValueError(
+                "differential_attention='v2' has no per-head RMSNorm: `head_norm` must be False (or left unset), got "
+                "head_norm=True."
+            )
+        if self.lambda_init is not None:
+            raise ValueError(
+                "differential_attention='v2' has no lambda_init (lambda = sigmoid(lambda_proj(x)) per token and head): "
+                f"`lambda_init` must be None, got {self.lambda_init!r}."
+            )
+        if self.one_pass_attention is not None:
+            raise ValueError(
+                "differential_attention='v2' always makes one attention call: `one_pass_attention` must be None, got "
+                f"{self.one_pass_attention!r}."
+            )
+
+    @property
+    def num_differential_heads(self) -> int:
+        """The differential heads per layer, `num_attention_heads / 2` (each a signal map and a noise map)."""
+        return self.num_attention_heads // 2
+
+    @property
+    def differential_head_dim(self) -> int:
+        """The value channels of one differential head: `2 * head_dim` (v1: `[V half 1 | V half 2]`) or `head_dim`
+        (v2). The integral's state per layer is `(num_differential_heads, differential_head_dim)`."""
+        return 2 * self.head_dim if self.differential_attention == "v1" else self.head_dim
+
+    def check_paged_serving(self) -> None:
+        """Refuses, naming the field, before any request, a model that paged serving (transformers' continuous
+        batching, `dint-serve --continuous-batching`, vLLM) cannot run: integral "softmax" needs the per-key column sums
+        of the signal maps of each request, which no paged cache keeps and no paged kernel computes."""
+        if self.integral == "softmax":
+            raise ValueError(
+                "DINT with integral='softmax' cannot be served from a paged cache (continuous batching, vLLM): its "
+                "integral needs the per-key column sums of the signal maps of each request, which the paged cache does "
+                "not keep. Serve it without continuous batching (model.generate(), or dint-serve without "
+                "--continuous-batching), or serve a model trained with integral='mean' or 'none' (the same weights "
+                "with another integral compute another function)."
+            )
+
     def check_tensor_parallel_heads(self, tp_size: int) -> None:
         """Raises a ValueError unless `tp_size` ranks can each hold whole differential heads (a signal map, its noise
-        map and both halves of their V): `tp_size` must divide `num_key_value_heads / 2`. The rule of every
-        tensor-parallel layout of DINT (transformers' `packed_colwise` plan, the vLLM model)."""
-        kv_head_pairs = self.num_key_value_heads // 2
-        if kv_head_pairs % tp_size != 0:
-            allowed = [size for size in range(1, kv_head_pairs + 1) if kv_head_pairs % size == 0]
+        map and their V): v1: `tp_size` must divide `num_key_value_heads / 2` (a KV head pair holds both halves of V);
+        v2: `num_key_value_heads`. The rule of every tensor-parallel layout of DINT (transformers' plans, vLLM)."""
+        if self.differential_attention == "v1":
+            kv_units, unit = self.num_key_value_heads // 2, "num_key_value_heads / 2"
+        else:
+            kv_units, unit = self.num_key_value_heads, "num_key_value_heads"
+        if kv_units % tp_size != 0:
+            allowed = [size for size in range(1, kv_units + 1) if kv_units % size == 0]
             raise ValueError(
-                f"Tensor parallelism over {tp_size} processes cannot shard this DINT model: "
-                f"tensor_parallel_size={tp_size} must divide num_key_value_heads / 2 = {kv_head_pairs} "
-                f"(num_key_value_heads={self.num_key_value_heads}), so that each rank holds whole differential heads "
-                f"(a signal map, its noise map and both halves of their V). Allowed: {allowed}."
+                f"Tensor parallelism over {tp_size} processes cannot shard this DINT model "
+                f"(differential_attention={self.differential_attention!r}): tensor_parallel_size={tp_size} must divide "
+                f"{unit} = {kv_units} (num_key_value_heads={self.num_key_value_heads}), so that each rank holds whole "
+                f"differential heads (a signal map, its noise map and their V). Allowed: {allowed}."
             )
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
-        """Raises a ValueError unless DINT's tensor-parallel plan (`packed_colwise` q/k/v) can shard this config over
-        `tp_size` processes: whole differential heads per rank (`check_tensor_parallel_heads`), and no attention bias
-        (the plan shards a bias contiguously)."""
+        """Raises a ValueError unless DINT's tensor-parallel plan can shard this config over `tp_size` processes: whole
+        differential heads per rank (`check_tensor_parallel_heads`), and for v1 no attention bias (its `packed_colwise`
+        plan shards a bias contiguously; v2's `colwise` shards it with its rows)."""
         self.check_tensor_parallel_heads(tp_size)
-        if self.attention_bias:
+        if self.attention_bias and self.differential_attention == "v1":
             raise ValueError(
                 "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "
                 "q/k/v shards a bias contiguously (it would split signal and noise maps apart). Allowed: "
@@ -255,4 +409,14 @@ def preset_names() -> list[str]:
     return sorted(entry.name[: -len(".json")] for entry in folder.iterdir() if entry.name.endswith(".json"))
 
 
-__all__ = ["DintConfig", "DINT_LAYER_TYPE", "INTEGRAL_MODES", "depth_lambda_init", "preset_names"]
+__all__ = [
+    "DintConfig",
+    "DINT_LAYER_TYPE",
+    "DIFFERENTIAL_ATTENTIONS",
+    "INTEGRAL_MODES",
+    "attention_path",
+    "depth_lambda_init",
+    "preset_names",
+    "uses_materializing_path",
+    "uses_one_pass_attention",
+]

@@ -1,18 +1,22 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""The DINT integral: where its running mean counts and restarts, the running sums, and the composed map.
+"""The DINT integral, in one place: where its running mean counts and restarts, the running sums, the state it carries
+in the cache, and the combination with the differential outputs.
 
 Per differential head, `A_final = A1 - lambda * A2 + lambda * G`, where row n of G is the mean of the signal map A1
-over the valid query rows m <= n of n's document (c_n of them). Two paths compute it:
+over the valid query rows m <= n of n's document (c_n of them). Every head layout (`config.differential_attention`)
+supplies the signal and noise outputs O1, O2 (or maps A1, A2) and lambda; `DintIntegral` does the rest, the same code
+for both layouts and for every caller (transformers' attention, the continuous-batching step, vLLM's attention):
 
 - the fast path (any attention backend, integral "mean"): since V does not depend on the query row, `G V` is the
   running mean of the signal output `O1 = A1 V`, so `out = O1 - lambda * (O2 - S / c)` with `S` the running sum of
-  O1 (`segmented_running_sum`): O(N d) on top of DIFF attention, no N x N matrix;
+  O1 (`segmented_running_sum`, `combine_with_integral`): O(N d) on top of DIFF attention, no N x N matrix;
 - the materializing path (eager attention, or integral "softmax", which needs G itself): A1, A2, G and A_final as
   the paper writes them (`compose_final_attention`), the reference the fast path is tested against.
 
 Both read one `DintIntegralLayout` per forward pass (which rows count, where documents restart, c_n), and both carry
-the sums of earlier calls from the cache (`cache_dint.py`). Padding rows are excluded with `torch.where`, never by a
-product (a padding row may hold NaN).
+the sums of earlier calls in the cache, which `DintIntegral` alone reads and writes, through transformers' Cache-level
+methods (`get_recurrent_state`, `update_recurrent_state`; the layers that store them are in `cache_dint.py`). Padding
+rows are excluded with `torch.where`, never by a product (a padding row may hold NaN).
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
@@ -22,66 +26,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .configuration_dint import DINT_LAYER_TYPE, DintConfig
-from .transformers_compat import create_causal_mask
-
-
-MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
-"""The ways DINT attention computes its output (`attention_path`)."""
-
-
-def attention_path(attn_implementation: str, integral: str, one_pass_attention: bool | None) -> str:
-    """How DINT attention computes its output, from the config's `_attn_implementation`, `integral` and
-    `one_pass_attention`:
-
-    - `MATERIALIZING`: the maps A1, A2, G and A_final (eager attention, or integral "softmax", which needs G itself);
-    - `ONE_PASS`: the fast path, O1 and O2 from one attention call over each KV head's 2*head_dim-wide V
-      `[V half 1 | V half 2]` (Q.K^T once per map): `one_pass_attention` True, or None for the backends in
-      `ONE_PASS_BY_DEFAULT`;
-    - `TWO_CALLS`: the fast path, O1 and O2 from two calls over the halves of V (DiffLlama's).
-
-    The attention asks once per layer and forward, with the fields read once: a config attribute costs microseconds
-    (transformers' `__getattribute__`), three times the arithmetic of a decoding step's combination.
-    """
-    if attn_implementation == "eager" or integral == "softmax":
-        return MATERIALIZING
-    if one_pass_attention is None:
-        return ONE_PASS if attn_implementation in ONE_PASS_BY_DEFAULT else TWO_CALLS
-    if one_pass_attention is False:
-        return TWO_CALLS
-    if attn_implementation not in ONE_PASS_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"`one_pass_attention=True` needs an attention backend whose kernel takes a value head dim other than "
-            f"the query/key head dim, got attn_implementation={attn_implementation!r}. Allowed: "
-            f"{ONE_PASS_ATTENTION_IMPLEMENTATIONS}, or one_pass_attention=None / False (two calls)."
-        )
-    return ONE_PASS
-
-
-def uses_materializing_path(config: DintConfig) -> bool:
-    """Whether DINT attention builds the maps A1, A2, G and A_final (eager attention, or integral "softmax", which
-    needs G itself) instead of the fast path's running mean of the signal outputs (`attention_path`)."""
-    return attention_path(config._attn_implementation, config.integral, False) == MATERIALIZING
-
-
-ONE_PASS_ATTENTION_IMPLEMENTATIONS = ("flex_attention", "sdpa")
-"""The attention backends whose kernels take a value head dim (2*head_dim, one pass) other than the query/key head dim.
-FlashAttention's kernels do not."""
-
-ONE_PASS_BY_DEFAULT = ("flex_attention",)
-"""The backends where `one_pass_attention=None` makes one pass: measured faster than two calls (bench/README.md). sdpa
-is not: on CPU a wider V sends it to its math kernel (3.5x slower), and on CUDA to other kernels than FlashAttention."""
-
-
-def uses_one_pass_attention(config: DintConfig) -> bool:
-    """Whether the fast path computes the signal and noise outputs O1, O2 in one attention call over each KV head's
-    2*head_dim-wide V `[V half 1 | V half 2]` (Q.K^T once per map), instead of two calls over the halves (DiffLlama's).
-    `config.one_pass_attention` decides: None for the backends in `ONE_PASS_BY_DEFAULT`, True or False as set
-    (`attention_path`)."""
-    return attention_path(config._attn_implementation, config.integral, config.one_pass_attention) == ONE_PASS
+from .cache_dint import COLUMN_SUMS, QUERY_COUNT, SIGNAL_SUM, DintDynamicLayer, DintIntegralStateMixin, DintStaticLayer
+from .transformers_compat import build_dint_cache_layers, get_recurrent_state
 
 
 def valid_query_rows(
@@ -125,74 +72,6 @@ def document_starts(
         # row (a batched multi-turn chat appends the next turn after the pads of a row that finished early).
         document_start = document_start & query_valid.to(document_start.device)
     return document_start
-
-
-DINT_QUERY_VALID_KEY = "dint_query_valid"
-"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
-mask, which is keyed by the layer type."""
-
-
-def create_dint_masks(
-    config: DintConfig,
-    inputs_embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cache: Cache | None,
-    position_ids: torch.Tensor,
-) -> dict[str, torch.Tensor | None]:
-    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
-    (`DintForCausalLM.create_masks_for_generate`), so that a compiled decoding step receives tensors of fixed shapes
-    instead of a 2D padding mask that grows by one column per token: an `attention_mask` that holds them already is
-    returned as it is.
-
-    Args:
-        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
-        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
-        cache (`Cache`, *optional*): the cache this forward continues.
-        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
-
-    Returns:
-        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
-        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
-    """
-    if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
-        return attention_mask  # prepared by generate() for a compiled step
-    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
-    # their block-diagonal mask even when `use_cache` created a cache.
-    mask_cache = cache
-    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
-        mask_cache = None
-    materializing = uses_materializing_path(config)
-    causal_mask = create_causal_mask(
-        config=_DenseMaskConfig() if materializing else config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=mask_cache,
-        position_ids=position_ids,
-        allow_is_causal_skip=not materializing,
-    )
-    if materializing and causal_mask.dtype != torch.bool:
-        causal_mask = causal_mask == 0
-    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
-    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
-    # integral reads the caller's.
-    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
-    batch_size, query_length = inputs_embeds.shape[:2]
-    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
-    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
-
-
-def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
-    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
-
-
-class _DenseMaskConfig:
-    """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
-    The materializing path needs that mask whatever backend the model uses for its fast path."""
-
-    _attn_implementation = "sdpa"
-    is_causal = True
 
 
 @dataclass
@@ -269,22 +148,16 @@ class DintIntegralLayout:
 
     @classmethod
     def for_packed_requests(cls, position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor) -> "DintIntegralLayout":
-        """The layout of requests packed into one row, as continuous batching runs them: each request is one document
-        of valid rows whose position ids continue its own past (its count of rows is its position + 1), and a
-        request whose first row is past position 0 continues the sums of its earlier steps, which the cache gives per
-        query row (`carry_per_row`). Rows past the last request (padding) join the last one.
+        """The layout of requests packed into one row, as continuous batching (transformers' and vLLM's) runs them:
+        each request is one document of valid rows whose position ids continue its own past (its count of rows is its
+        position + 1), and a request whose first row is past position 0 continues the sums of its earlier steps, which
+        the cache gives per query row (`carry_per_row`). Rows past the last request (padding) join the last one.
 
         Args:
-            position_ids (`torch.Tensor` of shape `[1, T]`): each row's position in its request.
+            position_ids (`torch.Tensor` of shape `[1, T]` or `[T]`): each row's position in its request.
             cu_seq_lens_q (`torch.Tensor` of shape `[R + 1]`): where each of the R requests starts in the row.
         """
-        positions = position_ids[0].long()
-        num_rows, device = positions.shape[0], positions.device
-        cu_seq_lens_q = cu_seq_lens_q.long().to(device)
-        row_index = torch.arange(num_rows, device=device)
-        last_request = cu_seq_lens_q.shape[0] - 2
-        row_request = torch.searchsorted(cu_seq_lens_q[1:], row_index, right=True).clamp(max=last_request)
-        request_start = cu_seq_lens_q[:-1].clamp(max=num_rows - 1)
+        positions, row_request, request_start = packed_request_rows(position_ids, cu_seq_lens_q)
         continues_past = positions[request_start] > 0
         running_query_count = (positions + 1).float()[None]
         return cls(
@@ -305,6 +178,21 @@ class DintIntegralLayout:
             if isinstance(value, torch.Tensor):
                 moved[field.name] = value.to(device, non_blocking=non_blocking)
         return replace(self, **moved)
+
+
+def packed_request_rows(
+    position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Requests packed into one row: each row's position `[T]` (long), each row's request `[T]` (rows past the last
+    request join it), and each request's first row `[R]` (clamped into the row), from the position ids `[1, T]` or
+    `[T]` and the offsets `cu_seq_lens_q` `[R + 1]`."""
+    positions = position_ids.reshape(-1).long()
+    num_rows, device = positions.shape[0], positions.device
+    cu_seq_lens_q = cu_seq_lens_q.long().to(device)
+    row_index = torch.arange(num_rows, device=device)
+    row_request = torch.searchsorted(cu_seq_lens_q[1:], row_index, right=True).clamp(max=cu_seq_lens_q.shape[0] - 2)
+    request_start = cu_seq_lens_q[:-1].clamp(max=num_rows - 1)
+    return positions, row_request, request_start
 
 
 def _cumsum_over_rows(rows: torch.Tensor, query_dim: int) -> torch.Tensor:
@@ -491,7 +379,7 @@ def compose_final_attention(
 
     Args:
         signal_weights, noise_weights (`torch.Tensor` of shape `[B, H/2, T, K]`): the maps A1 and A2.
-        lambda_full (`torch.Tensor`, scalar): the layer's lambda.
+        lambda_full (`torch.Tensor`): the layer's lambda, a scalar (v1) or one per head and row `[B, H/2, T, 1]` (v2).
         integral (`str`): "mean", "softmax" or "none".
         layout (`DintIntegralLayout`): which query rows count and where documents start (unused for "none").
         key_valid (`torch.Tensor` broadcastable to `[B, 1, T, K]`, bool): the keys each row may attend to (the
@@ -519,23 +407,195 @@ def compose_final_attention(
     return final_weights, running_column_sums
 
 
+def combine_with_integral(
+    signal_output: torch.Tensor,
+    noise_output: torch.Tensor,
+    lambda_: torch.Tensor,
+    running_signal_sum: torch.Tensor,
+    inverse_query_count: torch.Tensor,
+) -> torch.Tensor:
+    """The fast path's DINT output, `A1 V - lambda * A2 V + lambda * G V = O1 - lambda * (O2 - S / c)` (fp32).
+
+    Args:
+        signal_output, noise_output (`[..., T, heads, C]`, fp32): O1 and O2.
+        lambda_ (`torch.Tensor`, fp32): a scalar (v1) or one per row and head `[..., T, heads, 1]` (v2).
+        running_signal_sum (`[..., T, heads, C]`, fp32): S, the running sum of O1 over the rows of each document.
+        inverse_query_count (broadcastable to `[..., T, 1, 1]`, fp32): 1 / c_n.
+    """
+    noise_minus_integral = torch.addcmul(noise_output, running_signal_sum, inverse_query_count, value=-1)
+    return torch.addcmul(signal_output, lambda_, noise_minus_integral, value=-1)
+
+
+def integral_state_index(integral: str, materializing: bool) -> int | None:
+    """The sums a model carries from call to call: `SIGNAL_SUM` (fast path), `COLUMN_SUMS` (materializing path), None
+    for integral "none" (besides the sums, layer 0 keeps `QUERY_COUNT`)."""
+    if integral == "none":
+        return None
+    return COLUMN_SUMS if materializing else SIGNAL_SUM
+
+
+def check_dint_cache(cache, config, materializing: bool) -> None:
+    """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
+    none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
+    integral mode or path. Nothing in the cache changes then; otherwise each layer records which statistics it keeps.
+
+    The whole check runs when a cache is new to the model (or found wrong); after that, one look at layer 0's record
+    (O(1) per forward). A cache that declares `is_dint_cache` (DINT's continuous-batching step) carries every DINT
+    layer's state itself.
+    """
+    if getattr(cache, "is_dint_cache", False):
+        return
+    kind = (config.integral, integral_state_index(config.integral, materializing))
+    layers = getattr(cache, "layers", None)
+    if layers and len(layers) >= config.num_hidden_layers and getattr(layers[0], "integral_kind", None) == kind:
+        return  # checked when this model first used it
+    build_dint_cache_layers(cache, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
+    if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
+        raise ValueError(
+            f"DINT needs its integral statistics in the cache, and this {type(cache).__name__} has none "
+            f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
+            "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
+            "the model / generate() create it."
+        )
+    if len(layers) < config.num_hidden_layers:
+        raise ValueError(
+            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
+            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
+        )
+    layers = layers[: config.num_hidden_layers]
+    for layer in layers:  # every layer first, so that a refusal leaves the cache as it was
+        layer.check_integral_kind(*kind)
+    for layer in layers:
+        if layer.integral_kind is None:
+            layer.integral_kind = kind
+
+
+def forward_integral_layout(
+    query_valid: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache,
+    batch_size: int,
+    query_length: int,
+    device: torch.device,
+    cu_seq_lens_q: torch.Tensor | None = None,
+) -> DintIntegralLayout:
+    """The `DintIntegralLayout` of one forward pass, shared by all layers; it reads the count of valid rows that the
+    cache carries and stores the new one (in layer 0's state: the only place the count is kept).
+
+    Without the caller's `position_ids` no row after row 0 starts a document, and row 0 continues the cache's
+    document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
+    """
+    document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
+    past_query_count, carry_kept = None, False
+    if cache is not None:
+        past_query_count = get_recurrent_state(cache, 0, QUERY_COUNT)
+        carry_kept = cache.get_seq_length() > 0
+    layout = DintIntegralLayout.build(
+        query_valid, document_start, past_query_count, batch_size, query_length, device, carry_kept
+    )
+    if cache is not None:
+        count = layout.running_query_count
+        cache.update_recurrent_state(count[:, -1], 0, state_idx=QUERY_COUNT, running_rows=count)
+    return layout
+
+
+class DintIntegral:
+    """The integral term of one DINT layer, for every head layout and every caller: given the differential outputs
+    (or maps) and lambda, it reads the sums the cache carries, runs the running sum over the query rows, stores the new
+    state and returns the combined output (or map). It holds no parameters (a plain object: no module call overhead).
+
+    Args:
+        integral (`str`): the model's `config.integral`.
+        layer_idx (`int`): the layer whose state it reads and writes.
+    """
+
+    def __init__(self, integral: str, layer_idx: int):
+        self.mode = integral
+        self.layer_idx = layer_idx
+
+    def __call__(
+        self,
+        signal_output: torch.Tensor,
+        noise_output: torch.Tensor,
+        lambda_: torch.Tensor,
+        layout: DintIntegralLayout | None,
+        cache=None,
+    ) -> torch.Tensor:
+        """The fast path: `O1 - lambda * O2 + lambda * running_mean(O1)`.
+
+        Args:
+            signal_output, noise_output (`[B, T, heads, C]`): O1 and O2, in the model's dtype.
+            lambda_ (`torch.Tensor`, fp32): a scalar, or `[B, T, heads, 1]`.
+            layout (`DintIntegralLayout`): the forward's layout (None for integral "none").
+            cache: the cache this forward continues, or None.
+
+        Returns:
+            `[B, T, heads, C]`: fp32 (the model's dtype times lambda for integral "none").
+        """
+        if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
+            return signal_output - lambda_ * noise_output
+        # The sums and the combination are fp32: both outputs cast once here (a no-op in fp32). An op with bf16 and fp32
+        # operands casts its bf16 ones in copies of its own (issue 31: three copies, 1.12 -> 1.07 of DiffLlama's time).
+        signal_output, noise_output = signal_output.float(), noise_output.float()
+        carry = get_recurrent_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        running_signal_sum = segmented_running_sum(signal_output, layout, carry)  # [B, T, heads, C]
+        if cache is not None:
+            cache.update_recurrent_state(
+                running_signal_sum[:, -1], self.layer_idx, state_idx=SIGNAL_SUM, running_rows=running_signal_sum
+            )
+        return combine_with_integral(
+            signal_output, noise_output, lambda_, running_signal_sum, layout.inverse_query_count
+        )
+
+    def maps(
+        self,
+        signal_weights: torch.Tensor,
+        noise_weights: torch.Tensor,
+        lambda_: torch.Tensor,
+        layout: DintIntegralLayout | None,
+        key_valid: torch.Tensor,
+        cache=None,
+    ) -> torch.Tensor:
+        """The materializing path: A_final `[B, heads, T, K]` (fp32) from the maps A1, A2 `[B, heads, T, K]` and
+        lambda (a scalar, or `[B, T, heads, 1]`), carrying the column sums of A1 in the cache."""
+        if lambda_.dim() > 0:
+            lambda_ = lambda_.transpose(1, 2)  # [B, heads, T, 1]
+        carry = None
+        if cache is not None and self.mode != "none":
+            carry = get_recurrent_state(cache, self.layer_idx, COLUMN_SUMS)
+        final_weights, running_column_sums = compose_final_attention(
+            signal_weights, noise_weights, lambda_, self.mode, layout, key_valid, carry
+        )
+        if cache is not None and running_column_sums is not None:  # [B, heads, T, K], stored with the rows first
+            running_rows = running_column_sums.transpose(1, 2)
+            cache.update_recurrent_state(
+                running_rows[:, -1], self.layer_idx, state_idx=COLUMN_SUMS, running_rows=running_rows
+            )
+        return final_weights
+
+
 def dint_attention_map(
     attentions: torch.Tensor,
     lambda_full: torch.Tensor | float,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     integral: str = "mean",
+    differential_attention: str = "v1",
 ) -> torch.Tensor:
     """A_final per differential head, from the maps a DINT model returns with `output_attentions=True` (eager).
 
     Args:
-        attentions (`torch.Tensor` of shape `[B, H, T, T]`): one layer's maps, the H/2 signal maps then the H/2 noise
-            maps (as DiffLlama returns them), over a whole sequence (no cache).
-        lambda_full (`torch.Tensor` or `float`): the layer's lambda, `model.model.layers[i].self_attn.lambda_full()`.
+        attentions (`torch.Tensor` of shape `[B, H, T, T]`): one layer's maps over a whole sequence (no cache), one per
+            query head: v1, the H/2 signal maps then the H/2 noise maps (as DiffLlama returns them); v2, signal and
+            noise maps alternating (query heads 2i and 2i+1).
+        lambda_full (`torch.Tensor` or `float`): the layer's lambda: v1, a scalar,
+            `model.model.layers[i].self_attn.lambda_full()`; v2, one per row and differential head `[B, T, H/2]`,
+            `layer.self_attn.differential_lambda(layer.input_layernorm(outputs.hidden_states[i]))`.
         attention_mask (`torch.Tensor` of shape `[B, T]`, *optional*): the 2D padding mask (1 = token, 0 = padding).
         position_ids (`torch.Tensor` of shape `[B, T]`, *optional*): positions restarting at 0 start a new document
             (packed sequences); by default one document per row.
         integral (`str`): the model's `config.integral`.
+        differential_attention (`str`): the model's `config.differential_attention`, "v1" or "v2".
 
     Returns:
         `torch.Tensor` of shape `[B, H/2, T, T]`, fp32: A_final; every valid row sums to 1.
@@ -561,24 +621,26 @@ def dint_attention_map(
     if document_start is not None:
         segment = document_start.long().cumsum(-1)
         key_valid = key_valid & (segment[:, None, :, None] == segment[:, None, None, :])
-    signal_weights, noise_weights = attentions.chunk(2, dim=1)
-    final_weights, _ = compose_final_attention(
-        signal_weights, noise_weights, torch.as_tensor(lambda_full), integral, layout, key_valid
-    )
-    return final_weights
+    lambda_full = torch.as_tensor(lambda_full, dtype=torch.float32, device=attentions.device)
+    if differential_attention == "v1":
+        signal_weights, noise_weights = attentions.chunk(2, dim=1)
+    else:
+        signal_weights, noise_weights = attentions[:, 0::2], attentions[:, 1::2]
+        lambda_full = lambda_full.reshape(batch_size, query_length, num_maps // 2, 1)
+    return DintIntegral(integral, layer_idx=0).maps(signal_weights, noise_weights, lambda_full, layout, key_valid)
 
 
 __all__ = [
-    "DINT_QUERY_VALID_KEY",
+    "DintIntegral",
     "DintIntegralLayout",
-    "create_dint_masks",
-    "default_position_ids",
+    "check_dint_cache",
+    "combine_with_integral",
     "compose_final_attention",
     "dint_attention_map",
     "document_starts",
+    "forward_integral_layout",
+    "integral_state_index",
+    "packed_request_rows",
     "segmented_running_sum",
-    "attention_path",
-    "uses_materializing_path",
-    "uses_one_pass_attention",
     "valid_query_rows",
 ]

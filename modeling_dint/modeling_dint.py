@@ -1,46 +1,40 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """PyTorch DINT Transformer (Cang et al., 2025, arXiv 2501.17486): transformers' Llama with DINT attention.
 
-Per layer and differential head j (the head layout is DiffLlama's: `num_attention_heads` = H softmax maps, the first
-H/2 are signal maps A1 and the last H/2 noise maps A2; each differential head reads 2*head_dim value channels):
+Per layer and differential head j, `num_attention_heads` = H softmax maps (query heads), H/2 differential heads:
 
     A_final = A1 - lambda * A2 + lambda * G,  G[n, :] = mean of A1[m, :] over the valid query rows m <= n of n's document
-    head_j  = RMSNorm(A_final V_j)            (no (1 - lambda_init) factor)
-    lambda  = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init   (fp32, one per layer)
+    head_j  = A_final V_j                     (no (1 - lambda_init) factor)
 
-Everything else is Llama's (pre-RMSNorm decoder layers, SwiGLU MLP, RoPE, the LM head), inherited. The integral's
-math (the fast path's running mean, the materializing reference, where documents restart) is in `integral_dint.py`,
-its state between calls in the cache layers of `cache_dint.py`.
+The head layout (`config.differential_attention`) says where A1, A2 and lambda come from: v1 (the paper's, DiffLlama's:
+the first H/2 query heads are signal maps, the last H/2 noise maps, V_j 2*head_dim wide, one lambda per layer
+`exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, then an RMSNorm per head; `DintV1Attention`) or v2 (DIFF V2's: query
+heads 2i and 2i+1 share a KV head, lambda = sigmoid(lambda_proj(x)) per token and head; `DintV2Attention`). The integral
+is the same for both (`integral_dint.DintIntegral`); everything else is Llama's, inherited.
 
 This file is copied next to the weights by `save_pretrained` (remote code): it imports nothing but torch,
 transformers and its sibling files.
 """
 
 # First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
-from .transformers_compat import (  # noqa: I001
-    CACHE_ARGUMENT,
-    accepts_past_key_values,
-    build_dint_cache_layers,
-    get_recurrent_state,
-)
+from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values, create_causal_mask  # noqa: I001
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
-    GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -51,27 +45,20 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .cache_dint import (
-    COLUMN_SUMS,
-    QUERY_COUNT,
-    SIGNAL_SUM,
-    DintDynamicLayer,
-    DintStaticLayer,
-    check_dint_cache,
-    store_integral_state,
-)
-from .configuration_dint import DINT_LAYER_TYPE, DintConfig
-from .integral_dint import (
-    DINT_QUERY_VALID_KEY,
+from .configuration_dint import (
+    DINT_LAYER_TYPE,
     MATERIALIZING,
     ONE_PASS,
-    DintIntegralLayout,
+    DintConfig,
     attention_path,
-    compose_final_attention,
-    create_dint_masks,
-    default_position_ids,
-    document_starts,
-    segmented_running_sum,
+    uses_materializing_path,
+)
+from .integral_dint import (
+    DintIntegral,
+    DintIntegralLayout,
+    check_dint_cache,
+    forward_integral_layout,
+    valid_query_rows,
 )
 
 
@@ -80,9 +67,8 @@ class DintRMSNorm(LlamaRMSNorm):
 
 
 class DintHeadRMSNorm(nn.RMSNorm):
-    """The RMSNorm of each differential head (over its 2*head_dim channels): torch's `rms_norm`, one fused kernel on
-    GPUs as DiffLlama's group norm, computed in the dtype of its input (the attention combination, fp32) whatever the
-    weight's dtype; `elementwise_affine=False` drops the weight (the head-norm ablation)."""
+    """v1's RMSNorm of each differential head (its 2*head_dim channels): torch's fused `rms_norm`, in its input's dtype
+    (the combination's, fp32) whatever the weight's; `elementwise_affine=False` drops the weight (the ablation)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -95,10 +81,6 @@ class DintRotaryEmbedding(LlamaRotaryEmbedding):
     pass
 
 
-class DintMLP(LlamaMLP):
-    pass
-
-
 def differential_head_values(value_states: torch.Tensor) -> torch.Tensor:
     """The 2*head_dim value channels of each KV head pair, `[V half 1 | V half 2]`: `[B, KV, S, d]` ->
     `[B, KV/2, S, 2d]`. Pair k serves the differential heads whose signal maps read KV head k (noise maps: k + KV/2)."""
@@ -106,8 +88,18 @@ def differential_head_values(value_states: torch.Tensor) -> torch.Tensor:
     return torch.cat([value_first_half, value_second_half], dim=-1)
 
 
+def reparameterized_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init: float) -> torch.Tensor:
+    """v1's lambda of a layer, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar (vLLM's model too)."""
+    lambda_1 = torch.exp(torch.dot(lambda_q1.float(), lambda_k1.float()))
+    lambda_2 = torch.exp(torch.dot(lambda_q2.float(), lambda_k2.float()))
+    return lambda_1 - lambda_2 + lambda_init
+
+
 class DintAttention(nn.Module):
-    """Multi-headed differential-integral attention (DINT, arXiv 2501.17486), with DiffLlama's head layout."""
+    """Differential-integral attention (DINT, arXiv 2501.17486): what both head layouts share. A layout (`DintV1Attention`,
+    `DintV2Attention`) supplies lambda (`differential_lambda`) and the signal and noise outputs (`differential_outputs`,
+    fast path) or maps (`differential_maps`, materializing path); `DintIntegral` adds the integral, the same for both.
+    """
 
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__()
@@ -119,8 +111,7 @@ class DintAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = 0.0
         self.is_causal = True
-        self.integral = config.integral
-        self.lambda_init = config.lambda_init_for_layer(layer_idx)
+        self.integral = DintIntegral(config.integral, layer_idx)
 
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(
@@ -129,23 +120,14 @@ class DintAttention(nn.Module):
         self.v_proj = nn.Linear(
             config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
+        output_channels = config.num_differential_heads * config.differential_head_dim
+        self.o_proj = nn.Linear(output_channels, config.hidden_size, bias=config.attention_bias)
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
-                2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
+                config.differential_head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
             )
         else:
             self.head_norm = nn.Identity()
-
-    def lambda_full(self) -> torch.Tensor:
-        """The layer's lambda, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar."""
-        lambda_1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init
 
     def forward(
         self,
@@ -160,12 +142,10 @@ class DintAttention(nn.Module):
             hidden_states (`[B, T, hidden_size]`), position_embeddings (cos, sin `[B, T, head_dim]`).
             attention_mask: the backend's mask (fast path), or the boolean `[B, 1, T, K]` mask (materializing path).
             integral_layout (`DintIntegralLayout`): the forward's query rows and documents (None for integral "none").
-            kwargs: the cache, under the name the installed transformers' decoder layer passes it
-                (`transformers_compat.CACHE_ARGUMENT`), and the attention backend's keyword arguments.
+            kwargs: the cache (under `transformers_compat.CACHE_ARGUMENT`) and the backend's keyword arguments.
 
         Returns:
-            attn_output `[B, T, hidden_size]`, and on the materializing path the maps `[B, H, T, K]` (the H/2 signal
-            maps then the H/2 noise maps).
+            attn_output `[B, T, hidden_size]`, and on the materializing path the maps `[B, H, T, K]` (one per query head).
         """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -181,35 +161,68 @@ class DintAttention(nn.Module):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
+        # --- DINT: the layout's signal and noise outputs (or maps) and lambda, then the integral ---
+        lambda_ = self.differential_lambda(hidden_states)  # fp32: a scalar, or [B, T, H/2, 1]
         attn_implementation = self.config._attn_implementation  # read once: a config attribute costs microseconds
-        path = attention_path(attn_implementation, self.integral, self.config.one_pass_attention)
+        path = attention_path(attn_implementation, self.integral.mode, self.config.one_pass_attention)
         if path == MATERIALIZING:
-            attn_output, attn_weights = self._materialized_attention(
-                query_states, key_states, value_states, attention_mask, integral_layout, cache
+            attn_weights = self.softmax_maps(query_states, key_states, attention_mask)
+            signal_weights, noise_weights, head_values = self.differential_maps(attn_weights, value_states)
+            final_weights = self.integral.maps(
+                signal_weights, noise_weights, lambda_, integral_layout, attention_mask, cache
             )
+            attn_output = torch.matmul(final_weights, head_values.float()).transpose(1, 2)  # [B, T, H/2, C]
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, None)
-            attn_output = self._fast_attention(
+            signal_output, noise_output = self.differential_outputs(
                 attention_interface, path == ONE_PASS, query_states, key_states, value_states, attention_mask,
-                integral_layout, cache, **kwargs,
+                **kwargs,
             )
+            attn_output = self.integral(signal_output, noise_output, lambda_, integral_layout, cache)
             attn_weights = None
 
         # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype again.
-        attn_output = self.head_norm(attn_output)
-        if attn_output.dtype != value_states.dtype:
-            attn_output = attn_output.to(value_states.dtype)
+        attn_output = self.head_norm(attn_output).to(value_states.dtype)  # a no-op where the dtype is the same
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    def _fast_attention(
-        self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, integral_layout,
-        cache, **kwargs,
-    ) -> torch.Tensor:
-        """O1 and O2 from the attention backend's `attention_interface` (one call over the 2d-wide V where `one_pass`,
-        two otherwise), then `O1 - lambda * O2 + lambda * running_mean(O1)`: `[B, T, H/2, 2d]`, fp32 (the model's dtype
-        for integral "none")."""
+    def softmax_maps(self, query_states, key_states, key_valid) -> torch.Tensor:
+        """The materializing path's softmax maps `[B, H, T, K]`, one per query head; fully masked rows (padding) are 0,
+        NaN-free in forward and backward."""
+        key_states = repeat_kv(key_states, self.num_key_value_groups)
+        attn_scores = torch.matmul(query_states, key_states.transpose(2, 3)).float() * self.scaling
+        attn_scores = attn_scores.masked_fill(~key_valid, torch.finfo(torch.float32).min)
+        attn_weights = torch.where(key_valid.any(dim=-1, keepdim=True), attn_scores.softmax(dim=-1), 0.0)
+        return attn_weights.to(query_states.dtype)
+
+
+class DintV1Attention(DintAttention):
+    """DINT on DIFF V1's head layout, as the paper and DiffLlama have it: the first H/2 query heads are the signal maps,
+    the last H/2 the noise maps; differential head j reads the 2*head_dim value channels of its KV head pair; one lambda
+    per layer, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`."""
+
+    def __init__(self, config: DintConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.lambda_init = config.lambda_init_for_layer(layer_idx)
+        # fp32 however the model is built (`_keep_in_fp32_modules_strict`; a default dtype of fp16 included)
+        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+
+    def lambda_full(self) -> torch.Tensor:
+        """The layer's lambda, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar."""
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
+
+    def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lambda_full()
+
+    def differential_outputs(
+        self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """O1 and O2 `[B, T, H/2, 2d]` from the attention backend: one call over the 2d-wide V where `one_pass`, two
+        otherwise."""
         if one_pass:
             # One call over the 2d-wide V (Q.K^T once per map): KV head k reads [V half 1 | V half 2] of pair k mod
             # KV/2, the values the two calls below give it, so the output [B, T, H, 2d] is theirs concatenated.
@@ -219,80 +232,135 @@ class DintAttention(nn.Module):
             )
         else:
             # As DiffLlama: two calls over the two halves of V (each repeated to every KV head), sharing Q and K.
-            value_states1, value_states2 = (v.repeat(1, 2, 1, 1) for v in torch.chunk(value_states, 2, dim=1))
-            attn_output1, _ = attention_interface(
-                self, query_states, key_states, value_states1, attention_mask, dropout=0.0, scaling=self.scaling,
-                **kwargs,
-            )
-            attn_output2, _ = attention_interface(
-                self, query_states, key_states, value_states2, attention_mask, dropout=0.0, scaling=self.scaling,
-                **kwargs,
-            )
-            attn_output = torch.cat([attn_output1, attn_output2], dim=-1)
-        # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2), [B, T, H/2, 2d]
-        lambda_full = self.lambda_full()
-        if self.integral == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
-            signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
-            return signal_output - lambda_full * noise_output
-        # The integral's sums and the combination are fp32: both outputs cast once here (exact; a no-op in fp32). An op
-        # with bf16 and fp32 operands casts its bf16 ones in copies of its own: the running sum and the two
-        # multiply-adds below made three (issue 31: DINT / DiffLlama op time 1.12 -> 1.07 in a bf16 CPU prefill).
-        signal_output, noise_output = torch.chunk(attn_output.float(), 2, dim=2)
+            attn_outputs = [
+                attention_interface(
+                    self, query_states, key_states, half.repeat(1, 2, 1, 1), attention_mask, dropout=0.0,
+                    scaling=self.scaling, **kwargs,
+                )[0]
+                for half in torch.chunk(value_states, 2, dim=1)
+            ]
+            attn_output = torch.cat(attn_outputs, dim=-1)
+        # [B, T, H, 2d] -> the signal outputs O1 (first H/2 heads) and noise outputs O2 (last H/2)
+        signal_output, noise_output = torch.chunk(attn_output, 2, dim=2)
+        return signal_output, noise_output
 
-        # --- the DINT integral: G V is the running mean of O1 over the valid query rows of each document, the sum
-        # the cache carries from earlier calls included ---
-        carry = get_recurrent_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
-        running_signal_sum = segmented_running_sum(signal_output, integral_layout, carry)  # [B, T, H/2, 2d], fp32
-        if cache is not None:
-            store_integral_state(cache, self.layer_idx, SIGNAL_SUM, running_signal_sum, integral_layout)
-        # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_signal_sum / c_n
-        noise_minus_integral = torch.addcmul(
-            noise_output, running_signal_sum, integral_layout.inverse_query_count, value=-1
-        )
-        return torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
+    def differential_maps(self, attn_weights, value_states) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A1, A2 `[B, H/2, T, K]` (the first and last H/2 maps) and each differential head's values `[B, H/2, K, 2d]`."""
+        signal_weights, noise_weights = torch.chunk(attn_weights, 2, dim=1)
+        head_values = repeat_kv(differential_head_values(value_states), self.num_key_value_groups)
+        return signal_weights, noise_weights, head_values
 
-    def _materialized_attention(
-        self, query_states, key_states, value_states, key_valid, integral_layout, cache
+
+class DintV2Attention(DintAttention):
+    """DINT on DIFF V2's head layout (docs/design.md section 10): query heads 2i (signal) and 2i+1 (noise) share one KV
+    head, so O1 and O2 come from one ordinary attention call over Llama's K and V; lambda per token and differential
+    head, `sigmoid(lambda_proj(x))`; no head norm."""
+
+    def __init__(self, config: DintConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
+
+    def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, from the attention's input `x` `[B, T, hidden_size]`."""
+        return torch.sigmoid(self.lambda_proj(hidden_states).float()).unsqueeze(-1)
+
+    def differential_outputs(
+        self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The paper's formulas with explicit maps A1, A2, G and A_final (the reference). Returns the output
-        `[B, T, H/2, 2d]` (fp32) and the maps `[B, H, T, K]` (signal maps then noise maps)."""
-        key_states = repeat_kv(key_states, self.num_key_value_groups)
-        attn_scores = torch.matmul(query_states, key_states.transpose(2, 3)).float() * self.scaling
-        # A finite fill keeps fully masked rows (padding) NaN-free in forward and backward; they are zeroed below.
-        attn_scores = attn_scores.masked_fill(~key_valid, torch.finfo(torch.float32).min)
-        attn_weights = torch.where(key_valid.any(dim=-1, keepdim=True), attn_scores.softmax(dim=-1), 0.0)
-        attn_weights = attn_weights.to(query_states.dtype)
-        signal_weights, noise_weights = torch.chunk(attn_weights, 2, dim=1)  # A1, A2: [B, H/2, T, K]
-
-        carry = None
-        if cache is not None and self.integral != "none":
-            carry = get_recurrent_state(cache, self.layer_idx, COLUMN_SUMS)
-        final_weights, running_column_sums = compose_final_attention(
-            signal_weights, noise_weights, self.lambda_full(), self.integral, integral_layout, key_valid, carry
+        """O1 and O2 `[B, T, H/2, d]`: the even and odd query heads of one attention call."""
+        attn_output, _ = attention_interface(
+            self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        if cache is not None and running_column_sums is not None:  # [B, H/2, T, K], stored with the rows first
-            store_integral_state(
-                cache, self.layer_idx, COLUMN_SUMS, running_column_sums.transpose(1, 2), integral_layout
-            )
+        return attn_output[:, :, 0::2], attn_output[:, :, 1::2]
 
-        head_values = repeat_kv(differential_head_values(value_states), self.num_key_value_groups)  # [B, H/2, K, 2d]
-        attn_output = torch.matmul(final_weights, head_values.float())
-        return attn_output.transpose(1, 2), attn_weights
+    def differential_maps(self, attn_weights, value_states) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A1, A2 `[B, H/2, T, K]` (the even and odd maps) and each differential head's values `[B, H/2, K, d]`."""
+        head_values = repeat_kv(value_states, self.num_key_value_groups)[:, 0::2]
+        return attn_weights[:, 0::2], attn_weights[:, 1::2], head_values
+
+
+DINT_ATTENTION_CLASSES = {"v1": DintV1Attention, "v2": DintV2Attention}
+"""The attention of each head layout (`config.differential_attention`)."""
 
 
 class DintDecoderLayer(LlamaDecoderLayer):
     """Llama's decoder layer (its forward passes `integral_layout` on to the attention) with DINT attention."""
 
     def __init__(self, config: DintConfig, layer_idx: int):
-        GradientCheckpointingLayer.__init__(self)  # Llama's __init__ would build a Llama attention first
-        self.hidden_size = config.hidden_size
-        self.self_attn = DintAttention(config=config, layer_idx=layer_idx)
-        self.mlp = DintMLP(config)
-        self.input_layernorm = DintRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DintRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(config, layer_idx)
+        self.self_attn = DINT_ATTENTION_CLASSES[config.differential_attention](config=config, layer_idx=layer_idx)
 
 
-DINT_AUTO_MAP = {
+DINT_QUERY_VALID_KEY = "dint_query_valid"
+"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
+mask, which is keyed by the layer type."""
+
+
+def create_dint_masks(
+    config: DintConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Cache | None,
+    position_ids: torch.Tensor,
+    materializing: bool | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
+    (`create_masks_for_generate`: fixed shapes, not a 2D padding mask that grows each step), returned as they are.
+
+    Args:
+        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
+        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
+        cache (`Cache`, *optional*): the cache this forward continues.
+        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
+        materializing (`bool`, *optional*): `uses_materializing_path(config)`, where the caller has it.
+
+    Returns:
+        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
+        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
+    """
+    if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
+        return attention_mask  # prepared by generate() for a compiled step
+    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
+    # their block-diagonal mask even when `use_cache` created a cache.
+    mask_cache = cache
+    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
+        mask_cache = None
+    if materializing is None:
+        materializing = uses_materializing_path(config)
+    causal_mask = create_causal_mask(
+        config=_DenseMaskConfig() if materializing else config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache=mask_cache,
+        position_ids=position_ids,
+        allow_is_causal_skip=not materializing,
+    )
+    if materializing and causal_mask.dtype != torch.bool:
+        causal_mask = causal_mask == 0
+    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
+    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
+    # integral reads the caller's.
+    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
+    batch_size, query_length = inputs_embeds.shape[:2]
+    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
+    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
+
+
+def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
+    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
+
+
+class _DenseMaskConfig:
+    """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
+    The materializing path needs that mask whatever backend the model uses for its fast path."""
+
+    _attn_implementation = "sdpa"
+    is_causal = True
+
+
+DINT_AUTO_MAP = {  # what `save_pretrained` writes, so that every Auto class loads a DINT with `trust_remote_code`
     "AutoConfig": "configuration_dint.DintConfig",
     "AutoModel": "modeling_dint.DintModel",
     "AutoModelForCausalLM": "modeling_dint.DintForCausalLM",
@@ -300,7 +368,6 @@ DINT_AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_dint.DintForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_dint.DintForQuestionAnswering",
 }
-"""The `auto_map` that `save_pretrained` writes, so every Auto class loads a saved DINT with `trust_remote_code`."""
 
 
 @auto_docstring
@@ -333,7 +400,7 @@ class DintPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DintAttention):
+        if isinstance(module, DintV1Attention):
             init.normal_(module.lambda_q1, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_k1, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_q2, 0, self.config.lambda_std_dev)
@@ -409,18 +476,21 @@ class DintModel(DintPreTrainedModel):
 
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        materializing = uses_materializing_path(self.config)
         if cache is not None:
-            build_dint_cache_layers(cache, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
-            check_dint_cache(cache, self.config)
+            check_dint_cache(cache, self.config, materializing)
 
         given_position_ids = position_ids
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, cache)
 
-        masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids)
-        if integral_layout is None:
-            query_valid, cu_seq_lens_q = masks[DINT_QUERY_VALID_KEY], kwargs.get("cu_seq_lens_q")
-            integral_layout = self.integral_layout(inputs_embeds, query_valid, given_position_ids, cache, cu_seq_lens_q)
+        masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids, materializing)
+        if integral_layout is None and self.config.integral != "none":
+            batch_size, query_length = inputs_embeds.shape[:2]
+            integral_layout = forward_integral_layout(
+                masks[DINT_QUERY_VALID_KEY], given_position_ids, cache, batch_size, query_length,
+                inputs_embeds.device, kwargs.get("cu_seq_lens_q"),
+            )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -439,31 +509,6 @@ class DintModel(DintPreTrainedModel):
 
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
-
-    def integral_layout(
-        self,
-        inputs_embeds: torch.Tensor,
-        query_valid: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        cache: Cache | None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-    ) -> DintIntegralLayout | None:
-        """The forward's `DintIntegralLayout`, shared by all layers (None for integral "none").
-
-        Without the caller's `position_ids` no row after row 0 starts a document, and row 0 continues the cache's
-        document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts).
-        """
-        if self.config.integral == "none":
-            return None
-        batch_size, query_length = inputs_embeds.shape[:2]
-        document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
-        past_query_count, carry_kept = None, False
-        if cache is not None:
-            past_query_count = get_recurrent_state(cache, 0, QUERY_COUNT)
-            carry_kept = cache.get_seq_length() > 0
-        return DintIntegralLayout.build(
-            query_valid, document_start, past_query_count, batch_size, query_length, inputs_embeds.device, carry_kept
-        )
 
 
 @auto_docstring
@@ -484,15 +529,14 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
     forward = LlamaForCausalLM.forward
 
     def init_continuous_batching(self, *args, **kwargs):
-        """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`), with each
-        request's integral state kept beside its paged keys and values: the adapter `modeling_dint.serving`, which
-        the installed package provides (the remote code does not carry it)."""
+        """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`), each
+        request's integral state beside its paged K/V: `modeling_dint.serving`, of the installed package only."""
         try:
             from modeling_dint.serving import init_continuous_batching
         except ImportError as error:
             raise ImportError(
-                "Continuous batching of a DINT model needs the modeling_dint package (`pip install modeling-dint`), "
-                f"whose serving adapter the remote code does not carry ({error})."
+                "Continuous batching of a DINT model needs the modeling_dint package installed (`pip install -e .` in "
+                f"a clone of its repository), whose serving adapter the remote code does not carry ({error})."
             ) from error
         return init_continuous_batching(self, *args, **kwargs)
 
@@ -506,8 +550,7 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
         position_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> dict[str, torch.Tensor | None]:
-        """What generate() calls, for a compileable (static) cache, to build the step's masks before the forward: the
-        DINT masks (`create_dint_masks`), whose shapes do not change from one decoding step to the next."""
+        """What generate() calls, for a compileable (static) cache, to build the step's masks before the forward."""
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, cache)
         return create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids)
@@ -550,11 +593,5 @@ DintForTokenClassification.register_for_auto_class("AutoModelForTokenClassificat
 DintForQuestionAnswering.register_for_auto_class("AutoModelForQuestionAnswering")
 
 
-__all__ = [
-    "DintPreTrainedModel",
-    "DintModel",
-    "DintForCausalLM",
-    "DintForSequenceClassification",
-    "DintForTokenClassification",
-    "DintForQuestionAnswering",
-]
+__all__ = ["DintPreTrainedModel", "DintModel", "DintForCausalLM", "DintForSequenceClassification",
+           "DintForTokenClassification", "DintForQuestionAnswering", "DintV1Attention", "DintV2Attention"]

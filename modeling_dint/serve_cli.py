@@ -146,14 +146,15 @@ def install_serving_model_manager() -> None:
 def continuous_batching_refusal(model_name: str, config) -> str | None:
     """Why `model_name` (its config `config`) cannot be served with continuous batching, or None if it can: the
     checks DINT's continuous batching itself makes when it starts (`serving.check_transformers_release`,
-    `serving.check_servable`), made before the server reports healthy."""
+    `DintConfig.check_paged_serving`), made before the server reports healthy."""
     if getattr(config, "model_type", None) != "dint":
         return None
     from . import serving
+    from .configuration_dint import DintConfig
 
     try:
         serving.check_transformers_release()
-        serving.check_servable(config)
+        DintConfig.check_paged_serving(config)  # the package's check, whatever config class a checkpoint loaded
     except (RuntimeError, ValueError) as error:
         return f"{model_name}: {error}"
     return None

@@ -15,7 +15,7 @@ ids continue each request's past) and keeps K and V in a paged cache. DINT needs
 
 How it is enabled: `DintForCausalLM.init_continuous_batching` (transformers' entry point of continuous batching)
 calls `init_continuous_batching` here, which refuses what cannot run (another transformers release, integral
-"softmax"), registers DINT's cache allocator for the `dint_attention` layers, and returns a continuous-batching
+"softmax": `DintConfig.check_paged_serving`), registers DINT's cache allocator for the `dint_attention` layers, and returns a continuous-batching
 manager whose paged cache is `DintPagedAttentionCache`. Each step, a forward pre-hook of the model turns that cache
 into a `DintPagedStep`: a cache object with the recurrent-state methods of transformers' caches
 (`get_recurrent_state`, `update_recurrent_state`), which the model uses as it uses any cache, and the step's
@@ -34,7 +34,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 
 from .cache_dint import QUERY_COUNT, SIGNAL_SUM
 from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import DintIntegralLayout
+from .integral_dint import DintIntegralLayout, packed_request_rows
 from .transformers_compat import CACHE_ARGUMENT, installed_release
 
 
@@ -73,21 +73,10 @@ def check_transformers_release() -> None:
         )
 
 
-def check_servable(config) -> None:
-    """Refuses, before any request, a DINT model that continuous batching cannot run: integral "softmax" needs the
-    per-key column sums of each request, which the paged cache does not keep."""
-    if config.integral == "softmax":
-        raise ValueError(
-            "DINT with integral='softmax' cannot run under continuous batching: its integral needs the per-key "
-            "column sums of each request, which the paged cache does not keep. Serve it without continuous batching "
-            "(model.generate(), or dint-serve without --continuous-batching), or serve a model trained with "
-            "integral='mean' or 'none' (the same weights with another integral compute another function)."
-        )
-
-
 class DintPagedCacheAllocator(FullAttentionCacheAllocator):
     """The paged K/V of full attention, plus DINT's integral state per cache block: `integral_sums`
-    `[blocks, layers, H/2, 2*head_dim]` (fp32), the running sum of O1 after the last token written in the block.
+    `[blocks, layers, H/2, C]` (fp32, C = `config.differential_head_dim`), the running sum of O1 after the last token
+    written in the block.
 
     The decode fast path is off (`supports_block_table`): its kernel writes the K/V it is given, and DINT calls the
     backend with the two halves of V.
@@ -101,7 +90,7 @@ class DintPagedCacheAllocator(FullAttentionCacheAllocator):
     def __init__(self, config, **allocator_kwargs):
         super().__init__(config=config, **allocator_kwargs)
         self.integral = config.integral
-        self.num_differential_heads = config.num_attention_heads // 2
+        self.state_shape = (config.num_differential_heads, config.differential_head_dim)
         self.layer_slot = {layer_idx: slot for slot, layer_idx in enumerate(self.layer_indices)}
         self.integral_sums: torch.Tensor | None = None
 
@@ -112,12 +101,7 @@ class DintPagedCacheAllocator(FullAttentionCacheAllocator):
         # One state per block of the whole tensor (trash blocks included: padding tokens write theirs there)
         num_blocks = self._copy_view.shape[0]
         self.integral_sums = torch.zeros(
-            num_blocks,
-            len(self.layer_indices),
-            self.num_differential_heads,
-            2 * self.head_dim,
-            dtype=torch.float32,
-            device=cache_tensor.device,
+            num_blocks, len(self.layer_indices), *self.state_shape, dtype=torch.float32, device=cache_tensor.device
         )
 
     def copy_blocks(self, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
@@ -164,11 +148,9 @@ class DintPagedStep:
         self.cache_kwargs = {name: kwargs[name] for name in ("read_index", "write_index", "cu_seq_lens_k", "max_length_k")}
         self.layout = DintIntegralLayout.for_packed_requests(position_ids, kwargs["cu_seq_lens_q"])
 
-        positions = position_ids[0].long()  # [T]
+        positions, row_request, request_start = packed_request_rows(position_ids, kwargs["cu_seq_lens_q"])
         num_rows, device = positions.shape[0], positions.device
-        cu_seq_lens_q = kwargs["cu_seq_lens_q"].long()
-        row_index = torch.arange(num_rows, device=device)
-        row_request = torch.searchsorted(cu_seq_lens_q[1:], row_index, right=True).clamp(max=cu_seq_lens_q.shape[0] - 2)
+        cu_seq_lens_q = kwargs["cu_seq_lens_q"].long().to(device)
 
         group = allocator.index
         write_index = kwargs["write_index"][group][:num_rows]
@@ -185,7 +167,6 @@ class DintPagedStep:
         read_index = kwargs["read_index"][group]
         self.carry_blocks = None
         if allocator.integral_sums is not None and read_index.numel() > 0:
-            request_start = cu_seq_lens_q[:-1].clamp(max=num_rows - 1)
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
             previous_token = (cu_seq_lens_k[:-1] + positions[request_start] - 1).clamp(min=0, max=read_index.numel() - 1)
             self.carry_blocks = (read_index[previous_token] // allocator.block_physical_stride)[row_request]
@@ -264,7 +245,7 @@ def init_continuous_batching(model, *args, **kwargs):
     calls): refuses what cannot run, registers DINT's allocator and the model's step hook (once), and returns a
     `DintContinuousBatchingManager`."""
     check_transformers_release()
-    check_servable(model.config)
+    model.config.check_paged_serving()
     ATTN_TYPE_TO_ALLOCATOR[DINT_LAYER_TYPE] = DintPagedCacheAllocator
     if getattr(model, "_dint_paged_step_hook", None) is None:
         model._dint_paged_step_hook = model.register_forward_pre_hook(_enter_paged_step, with_kwargs=True)
@@ -278,7 +259,6 @@ __all__ = [
     "DintPagedStep",
     "DintContinuousBatchingManager",
     "check_transformers_release",
-    "check_servable",
     "init_continuous_batching",
     "TRANSFORMERS_INTERNALS",
     "WRITTEN_FOR_TRANSFORMERS",

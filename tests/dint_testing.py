@@ -1,5 +1,6 @@
 """Helpers the tests share: tiny configs and models, built here (nothing is downloaded)."""
 
+import pytest
 import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
@@ -15,6 +16,13 @@ def with_cache(cache) -> dict:
 def cache_of(output):
     """The cache a model output returns (`output.cache` from transformers 5.24, `output.past_key_values` before)."""
     return output[CACHE_ARGUMENT]
+
+
+V2 = {"differential_attention": "v2", "num_key_value_heads": 1}
+"""The overrides that make `tiny_config` a DIFF V2 layout: 4 query heads (2 differential heads) over one KV head."""
+
+LAYOUTS = [pytest.param({}, id="v1"), pytest.param(V2, id="v2")]
+"""Both head layouts, for `@pytest.mark.parametrize("layout", LAYOUTS)`; a test passes `**layout` to `tiny_model`."""
 
 
 def tiny_config(**overrides) -> DintConfig:

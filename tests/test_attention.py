@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from dint_testing import left_padded_batch, tiny_config, tiny_model
+from dint_testing import V2, left_padded_batch, tiny_config, tiny_model
 from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
@@ -25,6 +25,7 @@ from modeling_dint.modeling_dint import DintAttention, DintHeadRMSNorm, DintRota
 
 
 INTEGRALS = ["mean", "softmax", "none"]
+LAYOUTS = [pytest.param({}, id="v1"), pytest.param(V2, id="v2")]
 
 
 def naive_dint_attention(attention: DintAttention, hidden_states, position_embeddings, query_valid, document_id):
@@ -44,13 +45,17 @@ def naive_dint_attention(attention: DintAttention, hidden_states, position_embed
 
     queries, keys = rotate(queries), rotate(keys)
     group = num_heads // num_kv_heads
-    lambda_full = (
-        math.exp(float(attention.lambda_q1 @ attention.lambda_k1))
-        - math.exp(float(attention.lambda_q2 @ attention.lambda_k2))
-        + attention.lambda_init
-    )
+    v1 = attention.config.differential_attention == "v1"
+    if v1:  # one lambda per layer
+        lambda_full = torch.full((batch_size, length), (
+            math.exp(float(attention.lambda_q1 @ attention.lambda_k1))
+            - math.exp(float(attention.lambda_q2 @ attention.lambda_k2))
+            + attention.lambda_init
+        ), dtype=torch.float64)[..., None].expand(-1, -1, num_heads // 2)
+    else:  # v2: one per row and differential head, sigmoid(W_lambda x)
+        lambda_full = torch.sigmoid(hidden_states.double() @ attention.lambda_proj.weight.double().T)
     half = num_heads // 2
-    outputs = torch.zeros(batch_size, length, half, 2 * head_dim, dtype=torch.float64)
+    outputs = torch.zeros(batch_size, length, half, (2 if v1 else 1) * head_dim, dtype=torch.float64)
     for b in range(batch_size):
         allowed = torch.zeros(length, length, dtype=torch.bool)
         for n in range(length):
@@ -58,7 +63,7 @@ def naive_dint_attention(attention: DintAttention, hidden_states, position_embed
                 allowed[n, m] = bool(query_valid[b, m]) and document_id[b, m] == document_id[b, n]
         for j in range(half):
             maps = []
-            for head in (j, j + half):
+            for head in ((j, j + half) if v1 else (2 * j, 2 * j + 1)):
                 scores = queries[b, head].double() @ keys[b, head // group].double().T / math.sqrt(head_dim)
                 scores = scores.masked_fill(~allowed, float("-inf"))
                 maps.append(torch.nan_to_num(torch.softmax(scores, dim=-1)))
@@ -68,25 +73,30 @@ def naive_dint_attention(attention: DintAttention, hidden_states, position_embed
                 rows = [m for m in range(n + 1) if query_valid[b, m] and document_id[b, m] == document_id[b, n]]
                 if rows:
                     integral_map[n] = signal_map[rows].mean(dim=0)
-                if attention.integral == "softmax":
+                if attention.config.integral == "softmax":
                     support = allowed[n]
                     if support.any():
                         integral_map[n] = torch.softmax(integral_map[n].masked_fill(~support, float("-inf")), dim=-1)
-            if attention.integral == "none":
-                final_map = signal_map - lambda_full * noise_map
+            row_lambda = lambda_full[b, :, j, None]  # [T, 1]
+            if attention.config.integral == "none":
+                final_map = signal_map - row_lambda * noise_map
             else:
-                final_map = signal_map - lambda_full * noise_map + lambda_full * integral_map
-            kv_head = j // group
-            head_values = torch.cat([values[b, kv_head], values[b, num_kv_heads // 2 + kv_head]], dim=-1).double()
+                final_map = signal_map - row_lambda * noise_map + row_lambda * integral_map
+            if v1:
+                kv_head = j // group
+                head_values = torch.cat([values[b, kv_head], values[b, num_kv_heads // 2 + kv_head]], dim=-1).double()
+            else:  # both maps read the KV head of query head 2j
+                head_values = values[b, 2 * j // group].double()
             outputs[b, :, j] = final_map @ head_values
     outputs = attention.head_norm(outputs.float())
     return attention.o_proj(outputs.reshape(batch_size, length, -1))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("integral", INTEGRALS)
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_attention_matches_naive_paper_formulas(integral, attn_implementation):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_attention_matches_naive_paper_formulas(integral, attn_implementation, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     config = model.config
     attention = model.model.layers[1].self_attn
     input_ids, attention_mask = left_padded_batch(lengths=(7, 4))

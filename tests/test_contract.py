@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch._dynamo
-from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model
+from dint_testing import LAYOUTS, V2, cache_of, left_padded_batch, tiny_config, tiny_model
 from transformers import AutoConfig, CompileConfig
 
 from modeling_dint import (
@@ -26,12 +26,12 @@ LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 # --- compiled decoding ---
 
 
-@pytest.mark.parametrize("integral", ["mean", "softmax"])
-def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral):
+@pytest.mark.parametrize("integral, layout", [("mean", {}), ("softmax", {}), ("mean", V2)], ids=["v1-mean", "v1-softmax", "v2-mean"])
+def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral, layout):
     """generate() with a static cache and a compile config compiles the decode step once for the whole generation
     (a padded batch, so that the 2D mask grows every step): any recompilation raises."""
     torch._dynamo.reset()
-    model = tiny_model(integral=integral)
+    model = tiny_model(integral=integral, **layout)
     input_ids, attention_mask = left_padded_batch(lengths=(8, 5))
     attention_mask[1, -3] = 0  # and a pad inside a row
     generate_kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
@@ -101,11 +101,12 @@ def test_a_config_changed_after_construction_is_validated_when_a_model_is_built(
 # --- outputs ---
 
 
-def test_output_shapes():
-    config = tiny_config()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_output_shapes(layout):
+    config = tiny_config(**layout)
     batch_size, length = 2, 7
     input_ids = torch.randint(2, config.vocab_size, (batch_size, length))
-    model = tiny_model("eager")
+    model = tiny_model("eager", **layout)
     with torch.no_grad():
         output = model(input_ids, output_hidden_states=True, output_attentions=True, use_cache=True)
         last_logits = model(input_ids, logits_to_keep=1).logits

@@ -44,10 +44,10 @@ def corpus_blocks():
     return tokenizer, train, heldout
 
 
-def _tiny_lm(tokenizer, seed=0):
+def _tiny_lm(tokenizer, seed=0, preset="tiny"):
     torch.manual_seed(seed)
     config = DintConfig.from_preset(
-        "tiny",
+        preset,
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -110,24 +110,29 @@ def test_trainer_loss_falls_on_real_text_and_updates_every_parameter(tmp_path, c
         assert any(name.endswith(suffix) for name in initial), suffix
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v2"])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_one_backward_reaches_every_parameter(corpus_blocks, attn_implementation):
+def test_one_backward_reaches_every_parameter(corpus_blocks, attn_implementation, preset):
     tokenizer, train, _ = corpus_blocks
-    model = _tiny_lm(tokenizer)
+    model = _tiny_lm(tokenizer, preset=preset)
     model.config._attn_implementation = attn_implementation
     batch = default_data_collator([train[0], train[1]])
     model(**batch).loss.backward()
     names = [name for name, _ in model.named_parameters()]
-    assert "model.layers.1.self_attn.lambda_k2" in names and "model.layers.0.self_attn.head_norm.weight" in names
+    if preset == "tiny":
+        assert "model.layers.1.self_attn.lambda_k2" in names and "model.layers.0.self_attn.head_norm.weight" in names
+    else:  # v2: lambda = sigmoid(lambda_proj(x)), no head norm
+        assert "model.layers.1.self_attn.lambda_proj.weight" in names and not any("head_norm" in n for n in names)
     for name, parameter in model.named_parameters():
         assert parameter.grad is not None, name
         assert torch.isfinite(parameter.grad).all(), name
         assert parameter.grad.abs().sum() > 0, name
 
 
-def test_trainer_with_gradient_checkpointing(tmp_path, corpus_blocks):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v2"])
+def test_trainer_with_gradient_checkpointing(tmp_path, corpus_blocks, preset):
     tokenizer, train, heldout = corpus_blocks
-    model = _tiny_lm(tokenizer)
+    model = _tiny_lm(tokenizer, preset=preset)
     _, loss_before, loss_after, _ = _train(tmp_path, model, train, heldout, max_steps=20, **activation_checkpointing_arguments())
     assert model.model.gradient_checkpointing
     assert loss_after < loss_before - 1.0, (loss_before, loss_after)

@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
+from dint_testing import LAYOUTS, cache_of, left_padded_batch, tiny_model, with_cache
 from transformers import DynamicCache, StaticCache
 
 from modeling_dint import DintDynamicLayer, dint_attention_map
@@ -48,6 +48,7 @@ def generate_pair(model, input_ids, seed=0, **kwargs):
     return cached, uncached
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
 @pytest.mark.parametrize(
@@ -66,8 +67,8 @@ def generate_pair(model, input_ids, seed=0, **kwargs):
         ("static_cache", dict(do_sample=False, cache_implementation="static")),
     ],
 )
-def test_decoding_mode_matches_recomputation(attn_implementation, integral, mode, generate_kwargs, monkeypatch):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_decoding_mode_matches_recomputation(attn_implementation, integral, mode, generate_kwargs, monkeypatch, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     input_ids = repetitive_prompt()
     crops = []
     original_crop = DintDynamicLayer.crop
@@ -82,10 +83,11 @@ def test_decoding_mode_matches_recomputation(attn_implementation, integral, mode
         assert any(n < 0 for n in crops), "prompt lookup never rolled the cache back: the test would not cover crop"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
-def test_left_padded_batch_of_different_lengths(attn_implementation, integral):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_left_padded_batch_of_different_lengths(attn_implementation, integral, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     input_ids, attention_mask = left_padded_batch(lengths=(9, 4, 6))
     cached, uncached = generate_pair(
         model, input_ids, attention_mask=attention_mask, do_sample=False, return_dict_in_generate=True,
@@ -99,10 +101,11 @@ def test_left_padded_batch_of_different_lengths(attn_implementation, integral):
         assert torch.equal(alone[0, length:], cached.sequences[row, 9:])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
-def test_beam_search(attn_implementation, integral):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_beam_search(attn_implementation, integral, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     input_ids, attention_mask = left_padded_batch(lengths=(7, 5))
     kwargs = dict(
         attention_mask=attention_mask, num_beams=3, num_return_sequences=2, do_sample=False,
@@ -114,10 +117,11 @@ def test_beam_search(attn_implementation, integral):
     torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
-def test_user_cache_continued_across_two_generate_calls(attn_implementation, integral):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_user_cache_continued_across_two_generate_calls(attn_implementation, integral, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     input_ids = torch.randint(2, 128, (1, 6))
     cache = DynamicCache(config=model.config)
     first = model.generate(input_ids, **with_cache(cache), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -196,9 +200,10 @@ def test_mean_state_does_not_grow_with_the_sequence():
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
-def test_batch_operations_carry_the_integral_state(attn_implementation):
-    model = tiny_model(attn_implementation)
+def test_batch_operations_carry_the_integral_state(attn_implementation, layout):
+    model = tiny_model(attn_implementation, **layout)
     input_ids, attention_mask = left_padded_batch(lengths=(7, 5))
     next_tokens = torch.randint(2, 128, (2, 1))
     with torch.no_grad():
@@ -214,9 +219,10 @@ def test_batch_operations_carry_the_integral_state(attn_implementation):
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
-def test_crop_rolls_back_recorded_tokens_and_refuses_more(attn_implementation):
-    model = tiny_model(attn_implementation)
+def test_crop_rolls_back_recorded_tokens_and_refuses_more(attn_implementation, layout):
+    model = tiny_model(attn_implementation, **layout)
     input_ids = torch.randint(2, 128, (1, 10))
     with torch.no_grad():
         cache = DynamicCache(config=model.config)

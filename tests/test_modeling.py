@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from dint_testing import left_padded_batch, tiny_config, tiny_model
+from dint_testing import LAYOUTS, left_padded_batch, tiny_config, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -186,8 +186,9 @@ REMOTE_CODE_SCRIPT = textwrap.dedent(
 )
 
 
-def test_remote_code_loads_in_a_fresh_process_without_the_package(tmp_path):
-    model = tiny_model()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_remote_code_loads_in_a_fresh_process_without_the_package(tmp_path, layout):
+    model = tiny_model(**layout)
     model.save_pretrained(tmp_path / "model")
     environment = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
     environment.pop("PYTHONPATH", None)

@@ -7,7 +7,7 @@ import torch
 from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
 
 from modeling_dint import DintConfig
-from modeling_dint.integral_dint import uses_one_pass_attention
+from modeling_dint.configuration_dint import uses_one_pass_attention
 
 
 def path_config(attn_implementation, **overrides):

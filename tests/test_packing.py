@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from dint_testing import tiny_model
+from dint_testing import LAYOUTS, tiny_model
 
 
 DOCUMENT_LENGTHS = (7, 12, 5)
@@ -18,11 +18,12 @@ def _documents(vocab_size=128, lengths=DOCUMENT_LENGTHS, seed=0):
     return [torch.randint(2, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("use_cache", [False, True])
 @pytest.mark.parametrize("return_flash_attn_kwargs", [False, True])
-def test_packed_row_logits_equal_each_document_alone(attn_implementation, use_cache, return_flash_attn_kwargs):
-    model = tiny_model(attn_implementation, use_cache=use_cache)
+def test_packed_row_logits_equal_each_document_alone(attn_implementation, use_cache, return_flash_attn_kwargs, layout):
+    model = tiny_model(attn_implementation, use_cache=use_cache, **layout)
     documents = _documents()
     collator = DataCollatorWithFlattening(return_flash_attn_kwargs=return_flash_attn_kwargs)
     batch = collator([{"input_ids": document} for document in documents])

@@ -3,7 +3,7 @@ their logits, cached or not, and generate()'s tokens equal those of the same row
 
 import pytest
 import torch
-from dint_testing import cache_of, tiny_model, with_cache
+from dint_testing import LAYOUTS, cache_of, tiny_model, with_cache
 
 
 INTEGRALS = ["mean", "softmax"]
@@ -28,11 +28,12 @@ def padded_row(pattern):
     return input_ids[None], attention_mask[None], position_ids[None]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_padded_rows_match_the_row_without_pads(attn_implementation, integral, use_cache):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_padded_rows_match_the_row_without_pads(attn_implementation, integral, use_cache, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     rows = [padded_row(pattern) for pattern in PAD_PATTERNS.values()]
     input_ids, attention_mask, position_ids = (torch.cat(parts) for parts in zip(*rows))
     with torch.no_grad():
@@ -51,12 +52,13 @@ def test_padded_rows_match_the_row_without_pads(attn_implementation, integral, u
 DECODE_BACKENDS = ["sdpa", "eager"]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", DECODE_BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
-def test_decoding_after_pads_inside_a_row_continues_the_row(attn_implementation, integral):
+def test_decoding_after_pads_inside_a_row_continues_the_row(attn_implementation, integral, layout):
     """A prompt with pads inside, then tokens decoded one by one with the cache: each step's logits equal those of
     the row without the pads (the running mean neither restarts at a pad nor counts it)."""
-    model = tiny_model(attn_implementation, integral=integral)
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     input_ids, attention_mask, position_ids = padded_row(PAD_PATTERNS["middle"])
     continuation = torch.tensor([[30, 31, 32]])
     with torch.no_grad():
@@ -74,10 +76,11 @@ def test_decoding_after_pads_inside_a_row_continues_the_row(attn_implementation,
             torch.testing.assert_close(step_logits, reference[step], atol=1e-5, rtol=1e-5, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn_implementation", DECODE_BACKENDS)
 @pytest.mark.parametrize("integral", INTEGRALS)
-def test_generate_with_pads_inside_rows_gives_each_rows_tokens(attn_implementation, integral):
-    model = tiny_model(attn_implementation, integral=integral)
+def test_generate_with_pads_inside_rows_gives_each_rows_tokens(attn_implementation, integral, layout):
+    model = tiny_model(attn_implementation, integral=integral, **layout)
     # Rows that end in a token: after right padding, generate() continues from the last pad's position id (0), for
     # every model of transformers.
     names = [name for name, pattern in PAD_PATTERNS.items() if pattern[-1] == 1]

@@ -2,8 +2,9 @@
 weights with the same logits, and saves / reloads with the same logits."""
 
 import peft
+import pytest
 import torch
-from dint_testing import tiny_model
+from dint_testing import LAYOUTS, tiny_model
 
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -22,8 +23,9 @@ def _repeating_batch(vocab_size=128, seed=0):
     return patterns.repeat(1, 6)  # [4, 36]
 
 
-def test_lora_trains_merges_saves_and_reloads(tmp_path):
-    base = tiny_model()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_trains_merges_saves_and_reloads(tmp_path, layout):
+    base = tiny_model(**layout)
     lora_model = peft.get_peft_model(base, _lora_config())
 
     # Every projection of every layer got an adapter; only the adapters train.
@@ -55,7 +57,7 @@ def test_lora_trains_merges_saves_and_reloads(tmp_path):
 
     # Save and reload the adapter onto a fresh copy of the same base model.
     lora_model.save_pretrained(tmp_path / "adapter")
-    reloaded = peft.PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter").eval()
+    reloaded = peft.PeftModel.from_pretrained(tiny_model(**layout), tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=probe).logits, adapted_logits, rtol=0, atol=1e-5)
 

@@ -15,7 +15,7 @@ PAPER_SIZES = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1
 
 
 def test_every_preset_ships_and_loads_as_a_dint_config():
-    assert set(preset_names()) == set(PAPER_SIZES) | {"tiny"}
+    assert set(preset_names()) == set(PAPER_SIZES) | {"tiny", "tiny-v2"}
     for name in preset_names():
         fields = json.loads((resources.files("modeling_dint.presets") / f"{name}.json").read_text(encoding="utf-8"))
         assert fields["model_type"] == "dint" and fields["architectures"] == ["DintForCausalLM"]
@@ -51,9 +51,10 @@ def test_paper_preset_parameter_count_matches_its_name(name):
     assert total == config.num_hidden_layers * per_layer + embedding + hidden
 
 
-def test_tiny_preset_builds_and_trains_for_real():
+@pytest.mark.parametrize("name", ["tiny", "tiny-v2"])
+def test_tiny_preset_builds_and_trains_for_real(name):
     torch.manual_seed(0)
-    config = DintConfig.from_preset("tiny")
+    config = DintConfig.from_preset(name)
     model = DintForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (2, 16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

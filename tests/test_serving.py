@@ -18,7 +18,7 @@ if Version(transformers.__version__) < Version("5.24"):
         allow_module_level=True,
     )
 
-from dint_testing import tiny_model  # noqa: E402
+from dint_testing import V2, tiny_model  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as continuous_batching_cache  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
@@ -75,11 +75,13 @@ def generate_alone(model, prompt_ids, generation_config):
     return model.generate(torch.tensor([prompt_ids]), generation_config=generation_config)[0, len(prompt_ids) :].tolist()
 
 
-@pytest.mark.parametrize("integral", ["mean", "none"])
-def test_generate_batch_equals_generate_per_request(integral):
+@pytest.mark.parametrize(
+    "integral, layout", [("mean", {}), ("none", {}), ("mean", V2), ("none", V2)], ids=["v1-mean", "v1-none", "v2-mean", "v2-none"]
+)
+def test_generate_batch_equals_generate_per_request(integral, layout):
     """Requests of different lengths, more than fit one step, long prompts prefilled in chunks: each request's
     greedy tokens are those of its own generate(), and its log-probabilities those of a full forward."""
-    model = serving_model(integral)
+    model = serving_model(integral, **layout)
     prompts = random_prompts()
     outputs = model.generate_batch(inputs=prompts, generation_config=greedy_config(), continuous_batching_config=small_cache())
     assert len(outputs) == len(prompts)

@@ -55,11 +55,12 @@ def build_checkpoint(directory: str, **overrides) -> str:
     generation runs the full length in transformers as with vLLM's `ignore_eos`."""
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     torch.manual_seed(0)
-    config = DintConfig(
+    fields = dict(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=4, head_dim=32, max_position_embeddings=1024, initializer_range=0.1,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=None, pad_token_id=tokenizer.pad_token_id, **overrides,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
     )
+    config = DintConfig(**{**fields, **overrides})
     DintForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
@@ -262,6 +263,73 @@ def test_tensor_parallel_2_equals_tensor_parallel_1(checkpoint, prompts, referen
     single_rank = vllm_results["default"]["requests"][0]
     assert [request["token_ids"] for request in requests] == [request["token_ids"] for request in single_rank]
     assert max_logprob_difference(requests, reference) < LOGPROB_TOLERANCE
+
+
+# ------------------------------------------------------------------------------ v2: DIFF V2's layout on vLLM
+V2_LAYOUT = {"differential_attention": "v2", "num_key_value_heads": 2}
+"""8 query heads (4 differential heads) over 2 KV heads of 32: an ordinary attention layer, Llama's KV cache."""
+
+
+@pytest.fixture(scope="module")
+def v2_checkpoint(tmp_path_factory) -> str:
+    return build_checkpoint(str(tmp_path_factory.mktemp("dint_v2_vllm")), **V2_LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def v2_reference(v2_checkpoint, prompts) -> list[dict]:
+    return generate_reference(DintForCausalLM.from_pretrained(v2_checkpoint, dtype=torch.float32).eval(), prompts)
+
+
+@pytest.fixture(scope="module")
+def v2_results(v2_checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -> dict:
+    runs = [
+        {"name": "default", "engine": ENGINE, "batches": [prompts]},
+        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts]},
+        {"name": "prefix", "engine": {**ENGINE, "enable_prefix_caching": True, "block_size": BLOCK_SIZE},
+         "batches": shared_prefix_prompts},
+        {"name": "preemption",
+         "engine": {**ENGINE, "block_size": BLOCK_SIZE, "num_gpu_blocks_override": PREEMPTION_BLOCKS // 2},
+         "batches": [prompts]},
+        {"name": "dropped_state", "engine": ENGINE, "batches": [prompts], "drop_integral_state": True},
+    ]
+    for run in runs:
+        run.update(max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
+    return run_worker(v2_checkpoint, runs, tmp_path_factory.mktemp("vllm_v2_runs"))
+
+
+def test_v2_decoding_chunked_prefill_and_preemption_equal_generate(v2_results, v2_reference):
+    for name in ("default", "chunked", "preemption"):
+        requests = v2_results[name]["requests"][0]
+        assert_tokens_equal(requests, v2_reference, f"v2 {name}")
+        assert max_logprob_difference(requests, v2_reference) < LOGPROB_TOLERANCE, name
+    # v2's KV cache is Llama's (half the bytes per token of v1's 2d-wide heads): the same blocks hold twice the tokens,
+    # so the preemption run has half v1's blocks
+    assert v2_results["preemption"]["preemptions"] > 0
+
+
+def test_v2_prefix_caching_equal(v2_results, v2_checkpoint, shared_prefix_prompts):
+    model = DintForCausalLM.from_pretrained(v2_checkpoint, dtype=torch.float32).eval()
+    batches = v2_results["prefix"]["requests"]
+    assert min(request["num_cached_tokens"] for request in batches[1]) >= BLOCK_SIZE
+    for requests, prompts in zip(batches, shared_prefix_prompts, strict=True):
+        references = generate_reference(model, prompts)
+        assert_tokens_equal(requests, references, "v2 prefix caching")
+        assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
+
+
+def test_v2_dropping_the_integral_state_changes_the_output(v2_results, v2_reference):
+    requests = v2_results["dropped_state"]["requests"][0]
+    assert max_logprob_difference(requests, v2_reference) > 0.1
+
+
+def test_v2_tensor_parallel_2_equals_generate(v2_checkpoint, prompts, v2_reference, tmp_path_factory):
+    """Two ranks, each with one KV head and its 4 query heads (2 differential heads) and their lambda rows."""
+    runs = [{"name": "tp2", "engine": {**ENGINE, "tensor_parallel_size": 2}, "batches": [prompts[::2]],
+             "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS}]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    requests = run_worker(v2_checkpoint, runs, tmp_path_factory.mktemp("vllm_v2_tp2"), env)["tp2"]["requests"][0]
+    assert_tokens_equal(requests, v2_reference[::2], "v2 tensor parallel 2")
+    assert max_logprob_difference(requests, v2_reference[::2]) < LOGPROB_TOLERANCE
 
 
 # ------------------------------------------------------------------------------------------ the OpenAI server

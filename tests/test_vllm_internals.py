@@ -130,9 +130,19 @@ def test_qkv_rows_keep_each_pair_on_one_rank():
     assert dint_vllm.local_qkv_rows(config, 0, 1) == ([0, 1, 4, 5, 2, 3, 6, 7], [0, 2, 1, 3])
 
 
+def test_v2_qkv_rows_are_llamas_contiguous_blocks():
+    """v2 (8 query heads over 2 KV heads: query heads 0-3 read KV head 0, pairs (0, 1), (2, 3)): rank r holds query
+    heads 4r..4r+3 and KV head r, as Llama's column-parallel q/k/v."""
+    config = DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                        differential_attention="v2")
+    assert dint_vllm.local_qkv_rows(config, 0, 2) == ([0, 1, 2, 3], [0])
+    assert dint_vllm.local_qkv_rows(config, 1, 2) == ([4, 5, 6, 7], [1])
+    assert dint_vllm.integral_state_shape(config, 2) == (2, 32)
+
+
 def test_load_time_refusals_name_the_field():
     with pytest.raises(ValueError, match="integral='softmax'"):
-        dint_vllm.check_servable(DintConfig(hidden_size=128, num_attention_heads=8, integral="softmax"))
+        DintConfig(hidden_size=128, num_attention_heads=8, integral="softmax").check_paged_serving()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide num_key_value_heads / 2 = 2"):
         DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4).check_tensor_parallel_heads(4)
 

@@ -11,10 +11,11 @@ differential heads in order, 2*head_dim channels each: "rowwise" gives rank r ex
 Requires N to divide num_key_value_heads/2, and attention_bias=False (packed_colwise shards a 1-D bias contiguously).
 """
 
-from modeling_dint import DintConfig
+from modeling_dint.configuration_dint import V1_TP_PLAN, V2_TP_PLAN
 
 
-DINT_TP_PLAN = DintConfig.base_model_tp_plan  # the plan the package ships (one source of truth)
+DINT_TP_PLAN = V1_TP_PLAN  # the plan the package ships for v1 (one source of truth)
+DINT_V2_TP_PLAN = V2_TP_PLAN  # and for v2: Llama's q/k/v "colwise", plus lambda_proj
 
 LLAMA_TP_PLAN = {**DINT_TP_PLAN, **{f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}}
 
@@ -44,3 +45,14 @@ def differential_head_layout(num_attention_heads: int, num_key_value_heads: int)
             "value_heads": {value_first_half, value_first_half + num_key_value_heads // 2},
         }
     return layout
+
+
+def v2_differential_head_layout(num_attention_heads: int, num_key_value_heads: int) -> dict[int, dict[str, set[int]]]:
+    """For each differential head j of a v2 model: its query heads (2j signal, 2j+1 noise), its KV head (query head h
+    reads KV head h // (H / H_kv)), and its row of lambda_proj (j)."""
+    groups = num_attention_heads // num_key_value_heads
+    return {
+        head: {"query_heads": {2 * head, 2 * head + 1}, "key_heads": {2 * head // groups},
+               "value_heads": {2 * head // groups}, "lambda_rows": {head}}
+        for head in range(num_attention_heads // 2)
+    }

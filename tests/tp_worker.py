@@ -1,8 +1,9 @@
 """Tensor-parallel worker, launched by tests/test_tensor_parallel.py as
 `torchrun --nproc_per_node N tests/tp_worker.py CHECKPOINT INPUTS OUTPUT PLAN`.
 
-Loads the DINT checkpoint with its own tensor-parallel plan (`DistributedConfig(tp_plan="auto")`, gloo on CPU), with `PLAN` ("dint" or "llama") as the config's
-`base_model_tp_plan`, runs one forward and a short greedy generation, and rank 0 saves the logits and tokens.
+Loads the DINT checkpoint with its own tensor-parallel plan (`DistributedConfig(tp_plan="auto")`, gloo on CPU): `PLAN`
+"dint" keeps the config's `base_model_tp_plan` (v1's or v2's), "llama" replaces it with Llama's; runs one forward and a
+short greedy generation, and rank 0 saves the logits and tokens.
 """
 
 import os
@@ -16,14 +17,14 @@ from modeling_dint.transformers_compat import tensor_parallel_arguments
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_plan import DINT_TP_PLAN, LLAMA_TP_PLAN  # noqa: E402
+from tp_plan import LLAMA_TP_PLAN  # noqa: E402
 
 
 def main():
     checkpoint, inputs_path, output_path, plan_name = sys.argv[1:5]
     torch.set_num_threads(1)
-    # What the proposed patch sets on the class (see tests/tp_plan.py); "llama" shows why Llama's plan is wrong.
-    DintConfig.base_model_tp_plan = DINT_TP_PLAN if plan_name == "dint" else LLAMA_TP_PLAN
+    if plan_name == "llama":  # shows why Llama's plan is wrong for v1 (in this worker process only)
+        DintConfig.base_model_tp_plan = LLAMA_TP_PLAN
     model = DintForCausalLM.from_pretrained(checkpoint, **tensor_parallel_arguments(), dtype=torch.float32).eval()
     inputs = torch.load(inputs_path)
     q_proj = model.model.layers[0].self_attn.q_proj

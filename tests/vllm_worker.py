@@ -22,20 +22,22 @@ import sys
 
 @contextlib.contextmanager
 def integral_state_dropped(dropped: bool):
-    """The negative control (where `dropped`): each step's running sum restarts from zero, the carried state is
-    neither read nor written. Restored on exit, for the runs that follow in this process."""
+    """The negative control (where `dropped`): the integral runs without the state, so each step's running sum
+    restarts from zero, the carried state neither read nor written. Restored on exit, for the runs that follow."""
     from modeling_dint.vllm import modeling_dint_vllm
 
-    def running_sum_without_state(layer, signal_output, running_sum):
-        running_sum.copy_(signal_output.float().cumsum(0))
+    original = modeling_dint_vllm.vllm_integral_step
 
-    original = modeling_dint_vllm.running_signal_sum
+    def step_without_state(layer, attn_metadata, positions):
+        layout, _ = original(layer, attn_metadata, positions)
+        return layout, None
+
     if dropped:
-        modeling_dint_vllm.running_signal_sum = running_sum_without_state
+        modeling_dint_vllm.vllm_integral_step = step_without_state
     try:
         yield
     finally:
-        modeling_dint_vllm.running_signal_sum = original
+        modeling_dint_vllm.vllm_integral_step = original
 
 
 def preemption_count(llm) -> int:

@@ -1,16 +1,17 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """DINT on vLLM: the model vLLM builds for a checkpoint whose `architectures` is `["DintForCausalLM"]`.
 
-Per layer (DESIGN.md sections 1-3, 5; the head layout is DiffLlama's: H softmax maps, the first H/2 signal maps A1,
-the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
-p = j // (H / KV), `[V_p | V_(p + KV/2)]`):
+Per layer (docs/design.md sections 1-3, 5 and 10), the layout (`config.differential_attention`) supplies O1, O2 and
+lambda, and the package's own `DintIntegral` (`integral_dint.py`, the code transformers' attention runs) does the rest:
 
-    O1, O2  = A1 V_pair, A2 V_pair                  one paged attention call (below)
+    O1, O2  = A1 V, A2 V                            one paged attention call (below)
     S_n     = sum over the request's tokens m <= n of O1[m]   (fp32, vLLM's per-request state carries it)
-    head_j  = RMSNorm_2d(O1 - lambda * O2 + lambda * S_n / (n + 1))
+    head_j  = O1 - lambda * O2 + lambda * S_n / (n + 1)       (v1: then RMSNorm over its 2d channels)
     out     = concat(head_j) W_o
 
-**One attention call, Llama's KV-cache bytes.** vLLM's paged `Attention` holds, per KV head pair p, one cache head of
+**v1 (the paper's layout, DiffLlama's): one attention call, Llama's KV-cache bytes.** H softmax maps, the first H/2
+signal maps A1, the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
+p = j // (H / KV), `[V_p | V_(p + KV/2)]`. vLLM's paged `Attention` holds, per KV head pair p, one cache head of
 width 2d: K = `[K_p | K_(p+KV/2)]` and V = `[V_p | V_(p+KV/2)]`. A signal map's query is `[Q_h | 0]` (it scores
 against K_p), a noise map's `[0 | Q_h]` (against K_(p+KV/2)), with the scale 1/sqrt(d); the softmax-weighted sum of
 the 2d-wide V is then exactly the differential head's `[A V_p | A V_(p+KV/2)]`, O1 or O2. The cache holds KV/2 heads of
@@ -18,12 +19,17 @@ the 2d-wide V is then exactly the differential head's `[A V_p | A V_(p+KV/2)]`, 
 over 2d channels of which d are zero (twice the score FLOPs; decoding is bound by reading the cache, which is not
 larger). q/k/v rows are permuted at load so that each tensor-parallel rank holds whole pairs with their maps.
 
-**The integral state.** The running sum S of O1, `(H/2, 2d)` fp32 per request and layer, lives in vLLM's state
-framework for Mamba and linear-attention layers (`DintIntegralState`, a `MambaBase` with the linear-attention
-backend's metadata): a slot per request (`state_indices_tensor`), carried through decoding and chunked prefill;
-with prefix caching (`mamba_cache_mode="align"`, which vLLM selects) vLLM checkpoints it at block boundaries and
-copies it with the shared blocks. A request whose context is empty (new, or recomputed after preemption) starts
-from zero. The count is the position + 1.
+**v2 (DIFF V2's layout): an ordinary attention layer.** H = 2h query heads of d over the KV heads of d, query heads
+2i (signal) and 2i+1 (noise) in one GQA group; O1, O2 are the even and odd heads of one call; lambda =
+sigmoid(lambda_proj(x)) per token and head; no head norm. The cache and the kernels are Llama's.
+
+**The integral state.** The running sum S of O1, `(H/2, C)` fp32 per request and layer (C = 2d for v1, d for v2),
+lives in vLLM's state framework for Mamba and linear-attention layers (`DintIntegralState`, a `MambaBase` with the
+linear-attention backend's metadata): a slot per request (`state_indices_tensor`), carried through decoding and
+chunked prefill; with prefix caching (`mamba_cache_mode="align"`, which vLLM selects) vLLM checkpoints it at block
+boundaries and copies it with the shared blocks. A request whose context is empty (new, or recomputed after
+preemption) starts from zero. The count is the position + 1. The step's layout (which rows belong to which request)
+is built once per step for all layers.
 
 Every vLLM internal this file uses is listed in `VLLM_INTERNALS`; `tests/test_vllm_internals.py` checks each of them
 against the installed vLLM and fails loudly when one changes. Written for `WRITTEN_FOR_VLLM`.
@@ -56,6 +62,8 @@ from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..configuration_dint import DintConfig
+from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
+from ..modeling_dint import DintHeadRMSNorm, reparameterized_lambda
 
 
 WRITTEN_FOR_VLLM = ("0.32", "0.33")
@@ -95,44 +103,32 @@ VLLM_INTERNALS = {
 INTEGRAL_OP = "dint_integral_running_sum"
 """The custom op (`torch.ops.vllm.<INTEGRAL_OP>`) that reads and writes the integral state."""
 
-SERVABLE_INTEGRALS = ("mean", "none")
-
-
 def installed_release() -> str:
     """The installed vLLM's minor release, e.g. "0.32"."""
     return ".".join(vllm.__version__.split(".")[:2])
 
 
-def check_servable(config: DintConfig) -> None:
-    """Fails at load, naming the field, when vLLM cannot serve `config`: `integral="softmax"` needs the per-key column
-    sums of A1, which no paged kernel gives."""
-    if config.integral not in SERVABLE_INTEGRALS:
-        raise ValueError(
-            f"DINT on vLLM serves integral={SERVABLE_INTEGRALS[0]!r} and {SERVABLE_INTEGRALS[1]!r}; this checkpoint "
-            f"has integral={config.integral!r}, whose softmax over G needs the running column sums of the signal "
-            "maps, one per cached key, which vLLM's paged attention kernels do not compute. Serve it with "
-            "transformers (generate(), or `dint-serve` without --continuous-batching)."
-        )
-
-
-def differential_head_count(config: DintConfig, tp_size: int) -> int:
-    """The differential heads (H/2) of one tensor-parallel rank."""
-    return config.num_attention_heads // 2 // tp_size
-
-
 def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
-    """One request's integral state in one layer: the running sum of O1, `(H/2 / tp, 2d)`."""
-    return (differential_head_count(config, tp_size), 2 * config.head_dim)
+    """One request's integral state in one layer: the running sum of O1, `(H/2 / tp, C)`, C =
+    `config.differential_head_dim` (v1: 2d, v2: d)."""
+    return (config.num_differential_heads // tp_size, config.differential_head_dim)
 
 
 def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
     """The rows of the checkpoint's q_proj and of k_proj/v_proj (head indices) that rank `tp_rank` holds, in the order
-    its attention reads them: for each of its KV head pairs p, the g = H/KV signal maps that score against K_p, then
-    the g noise maps (H/2 later) that score against K_(p+KV/2); and K (and V) heads p, p + KV/2.
+    its attention reads them.
+
+    v1: for each of its KV head pairs p, the g = H/KV signal maps that score against K_p, then the g noise maps (H/2
+    later) that score against K_(p+KV/2); and K (and V) heads p, p + KV/2. v2: its contiguous block of query heads
+    (whole GQA groups, pairs 2i, 2i+1 included) and of KV heads, as Llama's.
 
     Returns:
         (query heads, KV heads), indices into the checkpoint's heads.
     """
+    if config.differential_attention == "v2":
+        query_block, kv_block = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
+        return (list(range(tp_rank * query_block, (tp_rank + 1) * query_block)),
+                list(range(tp_rank * kv_block, (tp_rank + 1) * kv_block)))
     pairs = config.num_key_value_heads // 2
     group = config.num_attention_heads // config.num_key_value_heads
     half_heads = config.num_attention_heads // 2
@@ -142,57 +138,86 @@ def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list
     return query_heads, kv_heads
 
 
-def running_signal_sum(layer: "DintIntegralState", signal_output: torch.Tensor, running_sum: torch.Tensor) -> None:
-    """Writes into `running_sum` `[T, H/2, 2d]` (fp32) each token's running sum of the signal outputs O1 over its
-    request's tokens so far, the state carried from earlier steps included, and stores each request's new state.
+class VllmIntegralStep:
+    """The cache `DintIntegral` sees in one vLLM step, for one layer: each request's slot of the layer's integral state,
+    read per query row (`carry_per_row` of `DintIntegralLayout.for_packed_requests`) and written after the request's
+    last row of the step. The recurrent-state methods of transformers' caches, on vLLM's state framework."""
 
-    The batch is flat: request r owns rows query_start_loc[r]:query_start_loc[r+1] (decodes first, one row each). A
-    request whose context is empty (a new request, or one recomputed after preemption) starts from zero, not from
-    what its slot held.
-    """
+    def __init__(self, state: torch.Tensor, slots: torch.Tensor, row_request: torch.Tensor, last_rows: torch.Tensor):
+        self.state, self.slots, self.row_request, self.last_rows = state, slots, row_request, last_rows
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        """`[1, T, H/2 / tp, C]`: the state each row's request carries from its earlier steps."""
+        return self.state[self.slots[self.row_request]][None]
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
+        """Stores each request's running sum after its last row (`running_rows` `[1, T, H/2 / tp, C]`)."""
+        self.state[self.slots] = running_rows[0, self.last_rows]
+        return recurrent_states
+
+
+def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: torch.Tensor):
+    """The step's `DintIntegralLayout` (requests packed into one row, decodes first: request r owns rows
+    query_start_loc[r]:query_start_loc[r+1]; a request whose first row is at position 0, new or recomputed after
+    preemption, starts from zero) and the layer's `VllmIntegralStep`. The layout is built once per step, for all
+    layers (kept on vLLM's metadata object of the step)."""
+    prepared = getattr(attn_metadata, "_dint_step", None)
+    if prepared is None:
+        cu_seq_lens_q = attn_metadata.query_start_loc
+        layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q)
+        _, row_request, _ = packed_request_rows(positions, cu_seq_lens_q)
+        prepared = attn_metadata._dint_step = (layout, row_request, cu_seq_lens_q[1:].long() - 1)
+    layout, row_request, last_rows = prepared
+    slots = attn_metadata.state_indices_tensor[: last_rows.shape[0]]
+    return layout, VllmIntegralStep(layer.kv_cache[0], slots, row_request, last_rows)
+
+
+def integral_output(
+    layer: "DintIntegralState",
+    signal_output: torch.Tensor,
+    noise_output: torch.Tensor,
+    lambda_: torch.Tensor,
+    positions: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """Writes into `output` `[T, H/2 / tp, C]` (fp32) the package's `DintIntegral` of the step (the code transformers'
+    attention runs): `O1 - lambda * (O2 - S / c)` with S each request's running sum of O1, its state carried from
+    earlier steps; stores each request's new state. Rows vLLM pads the batch with get 0."""
     attn_metadata = get_forward_context().attn_metadata
     if isinstance(attn_metadata, dict):
         attn_metadata = attn_metadata.get(layer.prefix)
-    if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state
-        running_sum.copy_(signal_output.float().cumsum(0))
-        return
-    assert isinstance(attn_metadata, LinearAttentionMetadata)
-    state = layer.kv_cache[0]  # [slots, H/2, 2d] fp32
-    num_decodes, num_prefills = attn_metadata.num_decodes, attn_metadata.num_prefills
-    num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
-    running_sum[num_tokens:] = 0.0  # rows vLLM pads the batch with
-    signal = signal_output[:num_tokens].float()
-    slots = attn_metadata.state_indices_tensor
-    if num_decodes:  # one row each, rows 0..num_decodes-1; a one-token request without context starts from zero
-        decode_slots = slots[:num_decodes]
-        continues = (attn_metadata.seq_lens[:num_decodes] > 1)[:, None, None]
-        sums = torch.where(continues, state[decode_slots], 0.0).add_(signal[:num_decodes])
-        running_sum[:num_decodes] = sums
-        state[decode_slots] = sums
-    if num_prefills:
-        query_start = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for request in range(num_decodes, num_decodes + num_prefills):
-            start, end = query_start[request], query_start[request + 1]
-            slot = slots[request]
-            sums = signal[start:end].cumsum(0)
-            if seq_lens[request] > end - start:  # a context before this chunk: carry its state
-                sums += state[slot]
-            running_sum[start:end] = sums
-            state[slot] = sums[-1]
+    if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state; one document
+        num_tokens = signal_output.shape[0]
+        layout = DintIntegralLayout.for_packed_requests(positions, positions.new_tensor([0, num_tokens]))
+        cache = None
+    else:
+        assert isinstance(attn_metadata, LinearAttentionMetadata)
+        num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
+        layout, cache = vllm_integral_step(layer, attn_metadata, positions[:num_tokens])
+    if lambda_.dim() > 0:  # v2: [T, H/2, 1]
+        lambda_ = lambda_[:num_tokens][None]
+    combined = layer.integral(signal_output[None, :num_tokens], noise_output[None, :num_tokens], lambda_, layout, cache)
+    output[:num_tokens] = combined[0]
+    output[num_tokens:] = 0.0
 
 
-def _integral_op(signal_output: torch.Tensor, running_sum: torch.Tensor, layer_name: str) -> None:
-    running_signal_sum(get_forward_context().no_compile_layers[layer_name], signal_output, running_sum)
+def _integral_op(
+    signal_output: torch.Tensor,
+    noise_output: torch.Tensor,
+    lambda_: torch.Tensor,
+    positions: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    integral_output(layer, signal_output, noise_output, lambda_, positions, output)
 
 
-def _integral_op_fake(signal_output: torch.Tensor, running_sum: torch.Tensor, layer_name: str) -> None:
+def _integral_op_fake(signal_output, noise_output, lambda_, positions, output, layer_name) -> None:
     return
 
 
-direct_register_custom_op(
-    op_name=INTEGRAL_OP, op_func=_integral_op, mutates_args=["running_sum"], fake_impl=_integral_op_fake
-)
+direct_register_custom_op(op_name=INTEGRAL_OP, op_func=_integral_op, mutates_args=["output"], fake_impl=_integral_op_fake)
 if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
     # Split compiled graphs at the op, as at vLLM's own state ops: it reads the step's metadata in Python.
     CompilationConfig._attention_ops.append(f"vllm::{INTEGRAL_OP}")
@@ -200,12 +225,13 @@ if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
 
 class DintIntegralState(MambaBase, nn.Module):
     """The integral state of one DINT layer in vLLM's state framework: per request, the running sum of the signal
-    outputs O1, `(H/2 / tp, 2d)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, 2d]`)."""
+    outputs O1, `(H/2 / tp, C)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, C]`), and the package's `DintIntegral`."""
 
     def __init__(self, config: DintConfig, vllm_config: VllmConfig, prefix: str):
         nn.Module.__init__(self)
         self.prefix = prefix
         self.state_shape = integral_state_shape(config, get_tensor_model_parallel_world_size())
+        self.integral = DintIntegral(config.integral, layer_idx=extract_layer_index(prefix))
         static_forward_context = vllm_config.compilation_config.static_forward_context
         if prefix in static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -221,15 +247,18 @@ class DintIntegralState(MambaBase, nn.Module):
     def get_state_dtype(self) -> tuple[torch.dtype]:
         return (torch.float32,)
 
-    def forward(self, signal_output: torch.Tensor) -> torch.Tensor:
-        """`[T, H/2, 2d]` -> the running sums `[T, H/2, 2d]` fp32 (see `running_signal_sum`)."""
-        running_sum = torch.empty(signal_output.shape, dtype=torch.float32, device=signal_output.device)
-        getattr(torch.ops.vllm, INTEGRAL_OP)(signal_output, running_sum, self.prefix)
-        return running_sum
+    def forward(self, signal_output, noise_output, lambda_, positions) -> torch.Tensor:
+        """O1, O2 `[T, H/2 / tp, C]`, lambda (a scalar, or `[T, H/2 / tp, 1]`), positions `[T]` -> the DINT output
+        `[T, H/2 / tp, C]` fp32 (`integral_output`)."""
+        output = torch.empty(signal_output.shape, dtype=torch.float32, device=signal_output.device)
+        getattr(torch.ops.vllm, INTEGRAL_OP)(signal_output, noise_output, lambda_, positions, output, self.prefix)
+        return output
 
 
 class DintVllmAttention(nn.Module):
-    """DINT attention on vLLM's paged attention: the module `LlamaDecoderLayer` builds as its `self_attn`."""
+    """DINT attention on vLLM's paged attention: the module `LlamaDecoderLayer` builds as its `self_attn`. What both
+    head layouts share (projections, RoPE, the integral, o_proj); the layout (`config.differential_attention`) decides
+    the paged attention's heads and where O1, O2 and lambda come from (`differential_outputs`)."""
 
     def __init__(
         self,
@@ -248,19 +277,18 @@ class DintVllmAttention(nn.Module):
         super().__init__()
         vllm_config = get_current_vllm_config()
         tp_size = get_tensor_model_parallel_world_size()
-        check_servable(config)
+        config.check_paged_serving()
         config.check_tensor_parallel_heads(tp_size)  # vLLM's QKV layer shards a bias per head: no bias rule here
         self.config = config
-        self.integral = config.integral
+        self.v1 = config.differential_attention == "v1"
         self.head_dim = config.head_dim
-        self.num_heads = num_heads // tp_size  # softmax maps of this rank
-        self.num_kv_head_pairs = num_kv_heads // 2 // tp_size
-        self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
+        self.num_heads = num_heads // tp_size  # softmax maps (query heads) of this rank
+        self.num_kv_heads = num_kv_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = 2 * self.num_kv_head_pairs * self.head_dim
-        self.lambda_init = config.lambda_init_for_layer(extract_layer_index(prefix))
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.differential_head_dim = config.differential_head_dim
 
-        # q/k/v of this rank's head pairs, in the order `local_qkv_rows` gives (loaded by DintModel.load_weights)
+        # q/k/v of this rank's heads, in the order `local_qkv_rows` gives (loaded by DintModel.load_weights)
         self.qkv_proj = ColumnParallelLinear(
             hidden_size,
             (num_heads + 2 * num_kv_heads) * self.head_dim,
@@ -269,7 +297,8 @@ class DintVllmAttention(nn.Module):
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, hidden_size, bias=bias_o_proj, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+            config.num_differential_heads * config.differential_head_dim, hidden_size, bias=bias_o_proj,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -277,35 +306,58 @@ class DintVllmAttention(nn.Module):
             rope_parameters=getattr(config, "rope_parameters", None),
             is_neox_style=True,
         )
-        self.attn = Attention(
-            self.num_heads,
-            2 * self.head_dim,
-            self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_head_pairs,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=f"{prefix}.attn",
-        )
         self.integral_state = DintIntegralState(config, vllm_config, prefix=f"{prefix}.integral_state")
-        self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
-        for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
-            parameter.weight_loader = default_weight_loader
+        if self.v1:
+            # Per KV head pair p: one cache head of 2d channels, K = [K_p | K_(p+KV/2)], V = [V_p | V_(p+KV/2)]
+            self.num_kv_head_pairs = self.num_kv_heads // 2
+            self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
+            self.attn = Attention(
+                self.num_heads, 2 * self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_head_pairs,
+                cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+            )
+            self.lambda_init = config.lambda_init_for_layer(extract_layer_index(prefix))
+            self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
+            self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
+            self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
+            self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
+            for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                parameter.weight_loader = default_weight_loader
+        else:
+            # An ordinary attention layer: 2h query heads of d over the KV heads, Llama's cache
+            self.attn = Attention(
+                self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+            )
+            self.lambda_proj = ColumnParallelLinear(
+                hidden_size, config.num_differential_heads, bias=False, quant_config=None, prefix=f"{prefix}.lambda_proj"
+            )
         self.head_norm = None
         if config.head_norm:
-            self.head_norm = nn.RMSNorm(
-                2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
+            self.head_norm = DintHeadRMSNorm(
+                config.differential_head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine
             )
             if config.head_norm_affine:
                 self.head_norm.weight.weight_loader = default_weight_loader
 
-    def lambda_full(self) -> torch.Tensor:
-        """The layer's lambda, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`, a fp32 scalar."""
-        lambda_1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
-        lambda_2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
-        return lambda_1 - lambda_2 + self.lambda_init
+    def differential_outputs(self, hidden_states, query, key, value) -> tuple[torch.Tensor, ...]:
+        """O1, O2 `[T, H/2 / tp, C]` and lambda (v1: a fp32 scalar; v2: `[T, H/2 / tp, 1]` fp32)."""
+        num_tokens = query.shape[0]
+        if not self.v1:  # query heads 2i (signal) and 2i+1 (noise) of one ordinary attention call
+            attn_output = self.attn(query, key, value).view(num_tokens, -1, 2, self.head_dim)
+            lambda_proj, _ = self.lambda_proj(hidden_states)
+            return attn_output[:, :, 0], attn_output[:, :, 1], torch.sigmoid(lambda_proj.float()).unsqueeze(-1)
+        # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
+        query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
+        wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
+        wide_query[:, :, 0, :, 0] = query[:, :, 0, :, 0]
+        wide_query[:, :, 1, :, 1] = query[:, :, 1, :, 0]
+        attn_output = self.attn(wide_query.reshape(num_tokens, -1), key.contiguous(), value.contiguous())
+        # [T, pairs, 2 (signal, noise), g, 2d] -> O1, O2 [T, H/2, 2d], differential head j = pair * g + i
+        attn_output = attn_output.view(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2 * self.head_dim)
+        signal_output = attn_output[:, :, 0].reshape(num_tokens, -1, 2 * self.head_dim)
+        noise_output = attn_output[:, :, 1].reshape(num_tokens, -1, 2 * self.head_dim)
+        lambda_ = reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
+        return signal_output, noise_output, lambda_
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """`positions` `[T]`, `hidden_states` `[T, hidden]` -> `[T, hidden]`."""
@@ -313,31 +365,13 @@ class DintVllmAttention(nn.Module):
         qkv, _ = self.qkv_proj(hidden_states)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, key = self.rotary_emb(positions, query, key)
-
-        # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
-        query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
-        wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
-        wide_query[:, :, 0, :, 0] = query[:, :, 0, :, 0]
-        wide_query[:, :, 1, :, 1] = query[:, :, 1, :, 0]
-        attn_output = self.attn(wide_query.reshape(num_tokens, -1), key.contiguous(), value.contiguous())
-
-        # [T, pairs, 2 (signal, noise), g, 2d] -> O1, O2 [T, H/2, 2d], differential head j = pair * g + i
-        attn_output = attn_output.view(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2 * self.head_dim)
-        signal_output = attn_output[:, :, 0].reshape(num_tokens, -1, 2 * self.head_dim)
-        noise_output = attn_output[:, :, 1].reshape(num_tokens, -1, 2 * self.head_dim)
-        lambda_full = self.lambda_full()
-        if self.integral == "none":
-            combined = torch.addcmul(signal_output, lambda_full, noise_output, value=-1)  # O1 - lambda * O2
+        signal_output, noise_output, lambda_ = self.differential_outputs(hidden_states, query, key, value)
+        if self.config.integral == "none":  # O1 - lambda * O2, as transformers' attention (DiffLlama's arithmetic)
+            combined = self.integral_state.integral(signal_output, noise_output, lambda_, None)
         else:
-            running_sum = self.integral_state(signal_output)
-            inverse_count = (positions.float() + 1.0).reciprocal()[:, None, None]  # 1 / c_n, c_n = position + 1
-            # A1 - lambda * A2 + lambda * G = A1 - lambda * (A2 - G), and G V = running_sum / c_n (fp32)
-            noise_minus_integral = torch.addcmul(noise_output, running_sum, inverse_count, value=-1)
-            combined = torch.addcmul(signal_output, lambda_full, noise_minus_integral, value=-1)
+            combined = self.integral_state(signal_output, noise_output, lambda_, positions)
         if self.head_norm is not None:
-            weight = self.head_norm.weight
-            weight = None if weight is None else weight.to(combined.dtype)
-            combined = nn.functional.rms_norm(combined, self.head_norm.normalized_shape, weight, self.head_norm.eps)
+            combined = self.head_norm(combined)
         output, _ = self.o_proj(combined.to(hidden_states.dtype).reshape(num_tokens, -1))
         return output
 
@@ -388,7 +422,7 @@ class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_servable(config)
+        config.check_paged_serving()
         self.config = config
         self.model = DintModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
@@ -416,7 +450,7 @@ class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, int]]:
         config = vllm_config.model_config.hf_config
-        check_servable(config)
+        config.check_paged_serving()
         return (integral_state_shape(config, vllm_config.parallel_config.tensor_parallel_size),)
 
     @classmethod
