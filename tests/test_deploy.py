@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from dint_testing import cache_of, tiny_model
+from dint_testing import V2, cache_of, tiny_model
 from transformers import AutoTokenizer, CompileConfig, GenerationConfig
 
 from modeling_dint import DintConfig, DintForCausalLM, integral_state_buffers
@@ -204,6 +204,26 @@ def test_torchao_int8_weight_only_quantizes_linears_and_keeps_lambdas_and_norms_
     assert relative_error < 0.02, relative_error
     assert (logits.argmax(-1) == expected_logits.argmax(-1)).float().mean() > 0.9
     # Generation with the (dynamic) DINT cache works on the quantized model and matches its own recomputation.
+    cached = quantized.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    uncached, _ = greedy_reference(quantized, input_ids)
+    assert torch.equal(cached, uncached)
+
+
+def test_torchao_int8_weight_only_on_a_v2_model(tmp_path):
+    """DIFF V2's layout quantizes as Llama does: every linear, lambda_proj included, int8; the logits stay close and
+    cached generation matches its own recomputation."""
+    model = tiny_model(hidden_size=128, intermediate_size=256, vocab_size=256, **V2)
+    model.save_pretrained(tmp_path)
+    quantized = load_int8_weight_only(tmp_path)
+    for layer in quantized.model.layers:
+        attention = layer.self_attn
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, attention.lambda_proj):
+            assert type(linear.weight).__name__ == "Int8Tensor"
+    input_ids = torch.randint(2, 256, (2, 16))
+    with torch.no_grad():
+        expected_logits = model(input_ids).logits
+        logits = quantized(input_ids).logits
+    assert (logits - expected_logits).norm() / expected_logits.norm() < 0.02
     cached = quantized.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
     uncached, _ = greedy_reference(quantized, input_ids)
     assert torch.equal(cached, uncached)
