@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .cache_dint import COLUMN_SUMS, QUERY_COUNT, SIGNAL_SUM, DintDynamicLayer, DintIntegralStateMixin, DintStaticLayer
-from .transformers_compat import build_dint_cache_layers, get_recurrent_state
+from .transformers_compat import HAS_GET_RECURRENT_STATE, build_dint_cache_layers, get_recurrent_state
 
 
 def valid_query_rows(
@@ -488,7 +488,7 @@ def forward_integral_layout(
     document_start = document_starts(query_valid, position_ids, batch_size, query_length, cu_seq_lens_q)
     past_query_count, carry_kept = None, False
     if cache is not None:
-        past_query_count = get_recurrent_state(cache, 0, QUERY_COUNT)
+        past_query_count = carried_state(cache, 0, QUERY_COUNT)
         carry_kept = cache.get_seq_length() > 0
     layout = DintIntegralLayout.build(
         query_valid, document_start, past_query_count, batch_size, query_length, device, carry_kept
@@ -497,6 +497,14 @@ def forward_integral_layout(
         count = layout.running_query_count
         cache.update_recurrent_state(count[:, -1], 0, state_idx=QUERY_COUNT, running_rows=count)
     return layout
+
+
+def carried_state(cache, layer_idx: int, state_idx: int) -> torch.Tensor | None:
+    """`cache.get_recurrent_state(layer_idx, state_idx)` (transformers' Cache from 5.23, and DINT's serving steps);
+    before 5.23, `transformers_compat.get_recurrent_state`."""
+    if HAS_GET_RECURRENT_STATE:
+        return cache.get_recurrent_state(layer_idx, state_idx)
+    return get_recurrent_state(cache, layer_idx, state_idx)
 
 
 class DintIntegral:
@@ -537,7 +545,7 @@ class DintIntegral:
         # The sums and the combination are fp32: both outputs cast once here (a no-op in fp32). An op with bf16 and fp32
         # operands casts its bf16 ones in copies of its own (issue 31: three copies, 1.12 -> 1.07 of DiffLlama's time).
         signal_output, noise_output = signal_output.float(), noise_output.float()
-        carry = get_recurrent_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
         running_signal_sum = segmented_running_sum(signal_output, layout, carry)  # [B, T, heads, C]
         if cache is not None:
             cache.update_recurrent_state(
@@ -562,7 +570,7 @@ class DintIntegral:
             lambda_ = lambda_.transpose(1, 2)  # [B, heads, T, 1]
         carry = None
         if cache is not None and self.mode != "none":
-            carry = get_recurrent_state(cache, self.layer_idx, COLUMN_SUMS)
+            carry = carried_state(cache, self.layer_idx, COLUMN_SUMS)
         final_weights, running_column_sums = compose_final_attention(
             signal_weights, noise_weights, lambda_, self.mode, layout, key_valid, carry
         )

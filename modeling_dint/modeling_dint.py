@@ -135,6 +135,7 @@ class DintAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         integral_layout: DintIntegralLayout | None,
+        dint_path: str | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
@@ -142,6 +143,7 @@ class DintAttention(nn.Module):
             hidden_states (`[B, T, hidden_size]`), position_embeddings (cos, sin `[B, T, head_dim]`).
             attention_mask: the backend's mask (fast path), or the boolean `[B, 1, T, K]` mask (materializing path).
             integral_layout (`DintIntegralLayout`): the forward's query rows and documents (None for integral "none").
+            dint_path (`str`, *optional*): the forward's `attention_path` (the model's forward decides it once).
             kwargs: the cache (under `transformers_compat.CACHE_ARGUMENT`) and the backend's keyword arguments.
 
         Returns:
@@ -164,7 +166,7 @@ class DintAttention(nn.Module):
         # --- DINT: the layout's signal and noise outputs (or maps) and lambda, then the integral ---
         lambda_ = self.differential_lambda(hidden_states)  # fp32: a scalar, or [B, T, H/2, 1]
         attn_implementation = self.config._attn_implementation  # read once: a config attribute costs microseconds
-        path = attention_path(attn_implementation, self.integral.mode, self.config.one_pass_attention)
+        path = dint_path or attention_path(attn_implementation, self.integral.mode, self.config.one_pass_attention)
         if path == MATERIALIZING:
             attn_weights = self.softmax_maps(query_states, key_states, attention_mask)
             signal_weights, noise_weights, head_values = self.differential_maps(attn_weights, value_states)
@@ -279,12 +281,11 @@ class DintV2Attention(DintAttention):
         return attn_weights[:, 0::2], attn_weights[:, 1::2], head_values
 
 
-DINT_ATTENTION_CLASSES = {"v1": DintV1Attention, "v2": DintV2Attention}
-"""The attention of each head layout (`config.differential_attention`)."""
+DINT_ATTENTION_CLASSES = {"v1": DintV1Attention, "v2": DintV2Attention}  # by `config.differential_attention`
 
 
 class DintDecoderLayer(LlamaDecoderLayer):
-    """Llama's decoder layer (its forward passes `integral_layout` on to the attention) with DINT attention."""
+    """Llama's decoder layer (its forward passes `integral_layout` and `dint_path` on) with DINT attention, as DiffLlama."""
 
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -292,8 +293,7 @@ class DintDecoderLayer(LlamaDecoderLayer):
 
 
 DINT_QUERY_VALID_KEY = "dint_query_valid"
-"""The entry of the masks dict (`create_dint_masks`) that holds the valid query rows `[B, T]` beside the backend's
-mask, which is keyed by the layer type."""
+"""The entry of the masks dict (`create_dint_masks`) holding the valid query rows `[B, T]` beside the backend's mask."""
 
 
 def create_dint_masks(
@@ -383,8 +383,7 @@ class DintPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # The strict list keeps the lambda vectors fp32 in fp16 and bf16 loads (the plain list acts on fp16 only; a module
-    # may be in one list only).
+    # The strict list keeps v1's lambda vectors fp32 in fp16 and bf16 loads (the plain list: fp16 only)
     _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
@@ -463,29 +462,30 @@ class DintModel(DintPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The cache this forward continues (K/V and the DINT integral statistics), e.g. `DynamicCache(config=...)`;
-            `past_key_values` before transformers 5.24, still accepted (`transformers_compat.accepts_past_key_values`).
+            The cache this forward continues (K/V and the integral statistics), `DynamicCache(config=...)`; also
+            accepted as `past_key_values` (`transformers_compat.accepts_past_key_values`).
         integral_layout (`DintIntegralLayout`, *optional*):
-            Where the integral counts and restarts over the query rows, where the caller has built it (e.g.
-            `DintIntegralLayout.for_packed_requests`, continuous batching); built from the inputs otherwise.
+            The query rows' documents where the caller built them (continuous batching); else from the inputs.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
+        config = self.config
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        materializing = uses_materializing_path(self.config)
+            cache = DynamicCache(config=config)
+        path = attention_path(config._attn_implementation, config.integral, config.one_pass_attention)  # once
+        materializing = path == MATERIALIZING
         if cache is not None:
-            check_dint_cache(cache, self.config, materializing)
+            check_dint_cache(cache, config, materializing)
 
         given_position_ids = position_ids
         if position_ids is None:
             position_ids = default_position_ids(inputs_embeds, cache)
 
-        masks = create_dint_masks(self.config, inputs_embeds, attention_mask, cache, position_ids, materializing)
-        if integral_layout is None and self.config.integral != "none":
+        masks = create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids, materializing)
+        if integral_layout is None and config.integral != "none":
             batch_size, query_length = inputs_embeds.shape[:2]
             integral_layout = forward_integral_layout(
                 masks[DINT_QUERY_VALID_KEY], given_position_ids, cache, batch_size, query_length,
@@ -495,7 +495,7 @@ class DintModel(DintPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for decoder_layer in self.layers[: config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=masks[DINT_LAYER_TYPE],
@@ -504,6 +504,7 @@ class DintModel(DintPreTrainedModel):
                 use_cache=use_cache,
                 **{CACHE_ARGUMENT: cache},
                 integral_layout=integral_layout,
+                dint_path=path,
                 **kwargs,
             )
 
