@@ -46,7 +46,13 @@ import time
 
 import transformers
 
-from .transformers_compat import SERVE_LISTS_THE_SERVED_MODEL
+from .transformers_compat import installed_release
+
+
+# --- `transformers serve` lists the model it was started with in `/v1/models` from 5.24 (`ModelManager.list_models`);
+# 5.23's `ModelManager.get_gen_models` lists the Hub cache's models only, which dint-serve extends
+# (`install_serving_model_manager`): this bridge serves 5.23. ---
+SERVE_LISTS_THE_SERVED_MODEL = installed_release() >= (5, 24)
 
 
 DINT_SERVE_HELP = """\

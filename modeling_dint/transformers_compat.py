@@ -1,10 +1,13 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""What moved between the transformers releases DINT supports (every 5.x from 5.5), bridged in this one module.
+"""What moved between the transformers releases DINT supports (every 5.x from 5.5) that the model itself needs.
 
 This file travels with the remote code (`save_pretrained` copies it beside `modeling_dint.py`), so a checkpoint loads
-with `trust_remote_code=True` on whatever supported transformers a machine has. Each bridge is a named flag, class or
-function that says the releases it serves: when the floor passes them, delete the bridge and use the transformers
-name directly. `installed_release()` is the one place that reads the installed version.
+with `trust_remote_code=True` on whatever supported transformers a machine has: it holds only what a checkpoint needs
+to load and run. The bridges that only the package's tools, tests and examples need live in `release_bridges.py`
+(`dint-serve`'s in `serve_cli.py`), which do not travel. Each bridge is a named flag, class or function that says the
+releases it serves: when the floor passes them, delete the bridge and use the transformers name directly.
+`installed_release()` is the one place that reads an installed version (transformers', or a version string given to
+it, such as vLLM's).
 
 Importing this module first checks the installed torch and transformers: below a floor, the package and the remote
 code fail at once with one message naming the installed and the minimum version and how to upgrade, instead of an
@@ -266,69 +269,6 @@ def get_recurrent_state(cache, layer_idx: int, state_idx: int = 0) -> torch.Tens
     return layer.recurrent_states[state_idx] if layer.has_previous_state[state_idx] else None
 
 
-# --- assisted and prompt-lookup decoding roll a DINT cache back over the rejected tokens only where `generate()`
-# records past states and crops by a count of tokens (from 5.14). On 5.5 - 5.13 it crops to an absolute length
-# without recording, which a DINT cache layer refuses with a ValueError (its integral cannot be rolled back). ---
-GENERATE_RECORDS_PAST_FOR_CROP = installed_release() >= (5, 14)
-"""Whether `generate(prompt_lookup_num_tokens=...)` / `generate(assistant_model=...)` can run a DINT model (5.14+)."""
-
-
-# --- tensor parallelism with the model's own plan: `from_pretrained(distributed_config=DistributedConfig(tp_plan=
-# "auto"))` from 5.17, which deprecates the direct `tp_plan="auto"` of 5.5 - 5.16; this bridge serves 5.5 - 5.16. ---
-HAS_DISTRIBUTED_CONFIG_TP_PLAN = installed_release() >= (5, 17)
-
-
-def tensor_parallel_arguments() -> dict:
-    """`from_pretrained`'s keyword arguments that shard a model with its own tensor-parallel plan (under `torchrun`):
-    `distributed_config=DistributedConfig(tp_plan="auto")` from 5.17, `tp_plan="auto"` before."""
-    if HAS_DISTRIBUTED_CONFIG_TP_PLAN:
-        from transformers.distributed import DistributedConfig
-
-        return {"distributed_config": DistributedConfig(tp_plan="auto")}
-    return {"tp_plan": "auto"}
-
-
-# --- activation checkpointing: named so from 5.23 (`activation_checkpointing_enable`, TrainingArguments'
-# `activation_checkpointing`), where `gradient_checkpointing` is a deprecated alias; this bridge serves 5.5 - 5.22. ---
-def activation_checkpointing_arguments() -> dict:
-    """`TrainingArguments`' switch for activation checkpointing under the installed release's name."""
-    from transformers import TrainingArguments
-
-    if "activation_checkpointing" in inspect.signature(TrainingArguments).parameters:
-        return {"activation_checkpointing": True}
-    return {"gradient_checkpointing": True}
-
-
-def enable_activation_checkpointing(model, **checkpointing_kwargs) -> None:
-    """Non-reentrant activation checkpointing of `model` under the installed release's name."""
-    kwargs = {"use_reentrant": False, **checkpointing_kwargs}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-# --- `transformers serve` lists the model it was started with in `/v1/models` from 5.24 (`ModelManager.list_models`);
-# 5.23's `ModelManager.get_gen_models` lists the Hub cache's models only, which dint-serve extends (serve_cli.py):
-# this bridge serves 5.23. ---
-SERVE_LISTS_THE_SERVED_MODEL = installed_release() >= (5, 24)
-
-
-# --- compiled decoding on a CPU: generate() compiles the decode step of a static cache by itself on accelerators
-# only; `CompileConfig._compile_all_devices` (a private attribute, every 5.x release) extends it to every device. ---
-def compile_on_every_device(compile_config):
-    """Returns `compile_config` (a `transformers.CompileConfig`) set so that `generate()` compiles the decode step on
-    every device, the CPU included. transformers has no public switch for it (5.5 - 5.24): this sets the private
-    `_compile_all_devices`, which `tests/test_transformers_compat.py` checks on the installed release."""
-    if not hasattr(compile_config, "_compile_all_devices"):
-        raise AttributeError(
-            f"transformers {transformers.__version__} has no `CompileConfig._compile_all_devices`: update "
-            "`modeling_dint.transformers_compat.compile_on_every_device`."
-        )
-    compile_config._compile_all_devices = True
-    return compile_config
-
-
 __all__ = [
     "MINIMUM_TRANSFORMERS_VERSION",
     "MINIMUM_TORCH_VERSION",
@@ -348,11 +288,4 @@ __all__ = [
     "RecurrentStateAndStaticFullAttentionLayer",
     "HAS_GET_RECURRENT_STATE",
     "get_recurrent_state",
-    "GENERATE_RECORDS_PAST_FOR_CROP",
-    "HAS_DISTRIBUTED_CONFIG_TP_PLAN",
-    "tensor_parallel_arguments",
-    "SERVE_LISTS_THE_SERVED_MODEL",
-    "activation_checkpointing_arguments",
-    "enable_activation_checkpointing",
-    "compile_on_every_device",
 ]

@@ -8,18 +8,22 @@ code that travelled with the weights.
 
 import json
 import os
+import re
 
 import pytest
 import yaml
 
 from dint_testing import tiny_model
 from hub_server import HubServer, run_client
-from modeling_dint import DintConfig, dint_model_card, hub, save_dint_for_hub
+from modeling_dint import DintConfig, dint_model_card, hub, release_bridges, save_dint_for_hub, serve_cli
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
 REMOTE_CODE_FILES = set(hub.REMOTE_CODE_FILES)
+DEVELOPMENT_BRIDGES = (*release_bridges.__all__, "SERVE_LISTS_THE_SERVED_MODEL")
+"""The bridges between transformers releases that only the package's tools, tests and recipes use (`dint-serve`'s
+lives in serve_cli.py): none of them travels with a checkpoint."""
 
 
 def front_matter(readme: str) -> dict:
@@ -72,6 +76,30 @@ def test_save_dint_for_hub_writes_a_loadable_folder(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     reference = model.state_dict()
     assert all(reloaded.state_dict()[name].equal(tensor) for name, tensor in reference.items())
+
+
+def test_remote_code_carries_no_development_bridges(tmp_path):
+    """What `save_pretrained` writes beside the weights holds what a checkpoint needs to load and run: no bridge that
+    only the package's tools, tests and recipes use is named in it, and it imports neither module that holds them (a
+    fresh process without the package loads it: test_modeling.py's remote-code test)."""
+    assert hasattr(serve_cli, "SERVE_LISTS_THE_SERVED_MODEL")
+    tiny_model().save_pretrained(tmp_path)
+    saved = {path.name: path.read_text(encoding="utf-8") for path in tmp_path.glob("*.py")}
+    assert set(saved) == REMOTE_CODE_FILES
+    carried = [
+        (name, bridge)
+        for name, text in saved.items()
+        for bridge in DEVELOPMENT_BRIDGES
+        if re.search(rf"\b{bridge}\b", text)
+    ]
+    assert not carried, f"development bridges in the remote code: {carried}"
+    imports = [
+        (name, line)
+        for name, text in saved.items()
+        for line in re.findall(r"^\s*(?:from|import) \S+.*$", text, re.M)
+        if "release_bridges" in line or "serve_cli" in line
+    ]
+    assert not imports, imports
 
 
 PUSH_SCRIPT = """

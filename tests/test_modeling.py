@@ -28,7 +28,7 @@ from modeling_dint import (
     DintModel,
 )
 from modeling_dint.configuration_dint import depth_lambda_init
-from modeling_dint.transformers_compat import enable_activation_checkpointing
+from modeling_dint.release_bridges import enable_activation_checkpointing
 
 
 @pytest.mark.parametrize(

