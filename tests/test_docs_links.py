@@ -1,6 +1,7 @@
 """Every reference in the repository's documentation resolves inside the repository (issue 36): each relative link of
 its Markdown files points to a file or folder that exists, and a link to a heading (`page.md#anchor`) to a heading of
-that page; and the README links every docs/ page."""
+that page; the README links every docs/ page; and every citation of the design page in the code
+("docs/design.md section 2") names a section it has."""
 
 import re
 from pathlib import Path
@@ -17,6 +18,8 @@ MARKDOWN = [
     *sorted((REPO_ROOT / "examples").rglob("*.md")),
 ]
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+CODE_FOLDERS = ("modeling_dint", "configuration", "conversion", "bench", "examples", "tests", ".ci")
+DESIGN_CITATION = re.compile(r"docs/design\.md,? sections? (?P<numbers>[\d, -]+\d)")
 
 
 def prose(path: Path) -> str:
@@ -56,3 +59,18 @@ def test_the_readme_links_every_docs_page():
     pages = sorted((REPO_ROOT / "docs").glob("*.md"))
     assert pages and not [page.name for page in pages if page.resolve() not in linked]
 
+
+def test_every_design_citation_names_a_section_of_the_design():
+    design = (REPO_ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    sections = {int(number) for number in re.findall(r"^## (\d+)\. ", design, flags=re.MULTILINE)}
+    citations = []
+    for folder in CODE_FOLDERS:
+        for source in (REPO_ROOT / folder).rglob("*.py"):
+            for match in DESIGN_CITATION.finditer(source.read_text(encoding="utf-8")):
+                cited = set()
+                for part in match["numbers"].replace(" ", "").split(","):
+                    first, _, last = part.partition("-")
+                    cited |= set(range(int(first), int(last or first) + 1))
+                citations.append((source.relative_to(REPO_ROOT), cited))
+    assert citations, "the code cites the design page"
+    assert not [(source, cited - sections) for source, cited in citations if cited - sections]

@@ -1,7 +1,7 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """DINT on vLLM: the model vLLM builds for a checkpoint whose `architectures` is `["DintForCausalLM"]`.
 
-Per layer (DESIGN.md sections 1-3, 5; the head layout is DiffLlama's: H softmax maps, the first H/2 signal maps A1,
+Per layer (docs/design.md sections 1-3, 5; the head layout is DiffLlama's: H softmax maps, the first H/2 signal maps A1,
 the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
 p = j // (H / KV), `[V_p | V_(p + KV/2)]`):
 
