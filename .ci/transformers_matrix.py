@@ -42,7 +42,7 @@ from venvs import ensure_venv, pytest_summary
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_RELEASES = ("5.5.4", "5.10.4", "5.17.0", "5.20.2", "5.23.0", "5.24.0")
-"""The oldest supported release, releases in between, and the newest (the README's table lists these)."""
+"""The oldest supported release, releases in between, and the newest (docs/supported-releases.md's table lists these)."""
 FAST_RELEASES = (FULL_RELEASES[0], FULL_RELEASES[-1])
 BELOW_FLOOR_RELEASE = "4.57.6"
 TORCH_REQUIREMENT = "torch==2.13.0"

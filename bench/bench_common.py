@@ -4,7 +4,7 @@ counts of a cache, and the machine description.
 
 The four models (names used in every result file):
 - `dint_fast`:  `DintForCausalLM`, the fast path (sdpa, or the `--attn` backend): O1, O2 from the backend plus a
-  running mean of O1 (DESIGN.md section 2).
+  running mean of O1 (docs/design.md section 2).
 - `dint_eager`: `DintForCausalLM` with `attn_implementation="eager"`: the materializing reference (A1, A2, G, A_final
   built as N x N maps).
 - `diffllama`:  transformers' `DiffLlamaForCausalLM`, same backend as `dint_fast`.

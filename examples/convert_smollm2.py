@@ -21,7 +21,7 @@ near lambda_init, and the head norm on), which is not the same function.
 The script then measures held-out perplexity (examples/data/shakespeare_heldout.txt: Macbeth and Twelfth Night) of:
 the Llama original, the converted DINT before training, the DINT after a short continued-training run with
 transformers' Trainer on examples/data/shakespeare_train.txt, and (control) the Llama after the same run; it prints a
-Markdown table for the README.
+Markdown table for docs/conversion.md.
 """
 
 import argparse

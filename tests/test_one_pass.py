@@ -98,8 +98,9 @@ def test_one_pass_packed_sequences_equal_each_document_alone(integral):
 def test_one_pass_cached_decoding_equals_the_full_forward(integral):
     """A prompt fills the cache in one pass, then tokens one at a time: each step's logits equal the full forward's
     (no padding mask: torch 2.13's CPU inductor fails to compile the flex decode kernel with one, for every model and
-    for both the one-pass and the two-call path, see README). The prompt is not 8 tokens long: torch 2.13's compiled
-    CPU flex_attention with grouped KV heads returns NaN now and then for exactly 8 queries and keys (for Llama too)."""
+    for both the one-pass and the two-call path, see docs/performance.md). The prompt is not 8 tokens long: torch
+    2.13's compiled CPU flex_attention with grouped KV heads returns NaN now and then for exactly 8 queries and keys
+    (for Llama too)."""
     model = tiny_model("flex_attention", integral=integral)
     input_ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(4))
     prompt_length = 9

@@ -2,9 +2,11 @@
 examples/main_job_results/metrics.json (which `python examples/main_job.py --update_reference` rewrites), so that the
 text cannot go stale silently (issue 21).
 
-The README keeps these numbers between `<!-- main-job-numbers: begin ... -->` and `<!-- main-job-numbers: end -->`.
-Each phrase below, rendered from metrics.json, must appear there, and no other digit may: a number added to the
-paragraph without a phrase here fails the test, as does a re-run whose numbers the README does not quote yet.
+The README (its "Install and run" section today) keeps these numbers between `<!-- main-job-numbers: begin ... -->`
+and `<!-- main-job-numbers: end -->`; the test finds that region wherever it lives, in README.md or a docs/ page, and
+there must be exactly one. Each phrase below, rendered from metrics.json, must appear there, and no other digit may: a
+number added to the paragraph without a phrase here fails the test, as does a re-run whose numbers the text does not
+quote yet.
 """
 
 import json
@@ -14,6 +16,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD = REPO_ROOT / "examples" / "main_job_results" / "metrics.json"
+DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 REGION = re.compile(r"<!-- main-job-numbers: begin.*?-->(?P<text>.*?)<!-- main-job-numbers: end -->", re.DOTALL)
 
 
@@ -43,12 +46,13 @@ def test_record_is_a_complete_reference_run():
 
 def test_every_main_job_number_in_the_readme_comes_from_the_record():
     metrics = json.loads(RECORD.read_text(encoding="utf-8"))
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    regions = REGION.findall(readme)
-    assert len(regions) == 1, "README.md has one main-job-numbers region"
-    text = " ".join(regions[0].split())  # the paragraph's line breaks do not matter
+    regions = [(path, text) for path in DOCUMENTS for text in REGION.findall(path.read_text(encoding="utf-8"))]
+    assert len(regions) == 1, f"one main-job-numbers region in README.md and docs/, found {len(regions)}"
+    path, text = regions[0]
+    name = path.relative_to(REPO_ROOT)
+    text = " ".join(text.split())  # the paragraph's line breaks do not matter
     for phrase in readme_phrases(metrics):
-        assert phrase in text, f"README.md should say {phrase!r} (from {RECORD.relative_to(REPO_ROOT)})"
+        assert phrase in text, f"{name} should say {phrase!r} (from {RECORD.relative_to(REPO_ROOT)})"
         text = text.replace(phrase, "")
     leftover_numbers = re.findall(r"\d[\d,.]*", text)
-    assert not leftover_numbers, f"numbers in the main-job paragraph that metrics.json does not give: {leftover_numbers}"
+    assert not leftover_numbers, f"numbers in {name}'s main-job paragraph that metrics.json lacks: {leftover_numbers}"

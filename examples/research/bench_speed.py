@@ -5,7 +5,7 @@
 
 "Before" is the harness of commit a160467, read from git (`git show`): the model's own loss over every position's
 logits, eager, AdamW and gradient clipping one parameter at a time, the needle batches made row by row in Python.
-"After" is the harness here: `run.make_training_step` (forward and backward compiled by torch.compile, logits at the
+"After" is the harness here: `training.make_training_step` (forward and backward compiled by torch.compile, logits at the
 answers only, fused AdamW, foreach clipping), the batches made in tensor operations.
 
 Per architecture (transformers' Llama, DIFF, DINT; hidden 64 as 4 heads of 16 (the model of the before harness), 64
@@ -39,7 +39,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 RESEARCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RESEARCH_DIR))
-import run as harness  # noqa: E402
+from model_shapes import build_model  # noqa: E402
+from run import DEFAULT_OUT  # noqa: E402
+from runner import environment  # noqa: E402
+from settings import ARCHITECTURES, REPO_ROOT, Settings  # noqa: E402
+from tasks import NeedleVocabulary, make_mixed_needle_batch  # noqa: E402
+from training import answer_logits, make_training_step, train_to_convergence  # noqa: E402
 
 
 BEFORE_COMMIT = "a160467"
@@ -49,7 +54,7 @@ BEFORE_COMMIT = "a160467"
 def load_harness_before():
     """The module run.py of `BEFORE_COMMIT`, read with `git show` into a temporary file."""
     source = subprocess.run(
-        ["git", "show", f"{BEFORE_COMMIT}:examples/research/run.py"], cwd=harness.REPO_ROOT, capture_output=True,
+        ["git", "show", f"{BEFORE_COMMIT}:examples/research/run.py"], cwd=REPO_ROOT, capture_output=True,
         text=True, check=True,
     ).stdout
     path = Path(tempfile.mkdtemp()) / "run_before.py"
@@ -60,10 +65,10 @@ def load_harness_before():
     return module
 
 
-def settings_after(args) -> "harness.Settings":
+def settings_after(args) -> "Settings":
     """This harness's settings with the model shape and the task of `BEFORE_COMMIT` (hidden / 16 heads of 16 channels;
     needles scattered in filler, N in 1, 2, 4, 6), so that before and after train the same model on the same task."""
-    return harness.Settings(attention_heads=args.hidden // 16, head_dim=16, needle_layout="haystack",
+    return Settings(attention_heads=args.hidden // 16, head_dim=16, needle_layout="haystack",
                             train_needle_counts=(1, 2, 4, 6))
 
 
@@ -95,8 +100,8 @@ def step_before(model, optimizer, batch: dict) -> float:
 
 
 def make_step_after(model, settings):
-    """The training step of this harness (`run.make_training_step`, as `train_to_convergence` runs it)."""
-    step, _ = harness.make_training_step(model, 1e-3, settings)
+    """The training step of this harness (`training.make_training_step`, as `train_to_convergence` runs it)."""
+    step, _ = make_training_step(model, 1e-3, settings)
     return lambda batch: step(batch).item()
 
 
@@ -110,7 +115,7 @@ def timed(function, *args):
 def paired_step_rounds(kind: str, before, args) -> dict:
     settings = settings_after(args)
     old_settings = before.Settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     generator = torch.Generator().manual_seed(0)
     batches = [
         before.make_mixed_needle_batch(generator, 32, args.context, old_settings.needle_counts, 1, vocab)
@@ -119,7 +124,7 @@ def paired_step_rounds(kind: str, before, args) -> dict:
     max_positions = args.context * 4
     model_before = before.build_model(kind, vocab.size, max_positions, old_settings, args.hidden, 0)
     optimizer_before = torch.optim.AdamW(model_before.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    model_after = harness.build_model(kind_after(kind), vocab.size, max_positions, settings, args.hidden, 0)
+    model_after = build_model(kind_after(kind), vocab.size, max_positions, settings, args.hidden, 0)
     step_after = make_step_after(model_after, settings)
     model_before.train()
     model_after.train()
@@ -157,7 +162,7 @@ def paired_step_rounds(kind: str, before, args) -> dict:
 def data_rounds(before, args) -> dict:
     """Milliseconds (thread CPU) to make one training batch: the old row-by-row one-query batch, the new one."""
     settings, old_settings = settings_after(args), before.Settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     old_generator, new_generator = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     times = {"before": [], "after": []}
     for _ in range(args.rounds):
@@ -165,7 +170,7 @@ def data_rounds(before, args) -> dict:
             times["before"].append(timed(before.make_mixed_needle_batch, old_generator, 32, args.context,
                                          old_settings.needle_counts, 1, vocab)[2])
         for _ in range(args.block):
-            times["after"].append(timed(harness.make_mixed_needle_batch, new_generator, settings.needle_batch,
+            times["after"].append(timed(make_mixed_needle_batch, new_generator, settings.needle_batch,
                                         args.context, settings.train_needle_counts, vocab)[2])
     return {f"{name}_cpu_ms": 1e3 * statistics.median(values) for name, values in times.items()}
 
@@ -175,7 +180,7 @@ def loop_rounds(kind: str, before, args) -> dict:
     `args.loop_steps` steps, thread CPU time. After: from the loop's own clock, which keeps the first (compiling) step
     apart; before: timed from outside (nothing to compile)."""
     settings, old_settings = settings_after(args), before.Settings()
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     steps = args.loop_steps
     model = before.build_model(kind, vocab.size, args.context * 4, old_settings, args.hidden, 0)
     old_generator = torch.Generator().manual_seed(0)
@@ -187,13 +192,13 @@ def loop_rounds(kind: str, before, args) -> dict:
         old_validation, 1e-3, steps, steps, 50, old_settings,
     )
     result = {"before_steps_per_second_cpu": steps / cpu, "before_steps_per_second_wall": steps / wall}
-    model = harness.build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
+    model = build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
     generator = torch.Generator().manual_seed(0)
-    validation = harness.make_mixed_needle_batch(
+    validation = make_mixed_needle_batch(
         torch.Generator().manual_seed(1), 256, args.context, settings.train_needle_counts, vocab)
-    history = harness.train_to_convergence(
+    history = train_to_convergence(
         model,
-        lambda: harness.make_mixed_needle_batch(generator, settings.needle_batch, args.context,
+        lambda: make_mixed_needle_batch(generator, settings.needle_batch, args.context,
                                                 settings.train_needle_counts, vocab),
         validation, 1e-3, steps, steps, 50, settings,
     )
@@ -210,10 +215,10 @@ def step_flops(kind: str, before, args) -> dict:
     attention), before (every position's logits) and after (logits at the answers only), on one batch of the old
     harness; and the rate of one large fp32 matmul on this core, the ceiling a step could approach."""
     settings = settings_after(args)
-    vocab = harness.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     batch = before.make_mixed_needle_batch(torch.Generator().manual_seed(0), 32, args.context,
                                            before.Settings().needle_counts, 1, vocab)
-    model = harness.build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
+    model = build_model(kind_after(kind), vocab.size, args.context * 4, settings, args.hidden, 0)
     result = {}
     for name in ("before", "after"):
         counter = FlopCounterMode(display=False)
@@ -222,7 +227,7 @@ def step_flops(kind: str, before, args) -> dict:
                 loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
             else:
                 answers = answers_of_old_batch(batch)
-                logits = harness.answer_logits(model, answers["input_ids"], answers["answer_rows"],
+                logits = answer_logits(model, answers["input_ids"], answers["answer_rows"],
                                                answers["answer_columns"])
                 loss = torch.nn.functional.cross_entropy(logits, answers["answers"])
             loss.backward()
@@ -241,8 +246,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--loop-steps", type=int, default=200)
-    parser.add_argument("--kinds", nargs="+", default=list(harness.ARCHITECTURES))
-    parser.add_argument("--out", type=Path, default=harness.DEFAULT_OUT)
+    parser.add_argument("--kinds", nargs="+", default=list(ARCHITECTURES))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite speed.md from OUT/speed.json (the FLOP counts are measured again: seconds)")
     args = parser.parse_args()
@@ -258,7 +263,7 @@ def main():
         return
     started = time.time()
     results = {"command": "python examples/research/bench_speed.py " + " ".join(sys.argv[1:]),
-               "environment": harness.environment(), "settings": vars(args) | {"out": str(args.out)},
+               "environment": environment(), "settings": vars(args) | {"out": str(args.out)},
                "steps": [], "loops": []}
     for kind in args.kinds:
         results["steps"].append(paired_step_rounds(kind, before, args))
