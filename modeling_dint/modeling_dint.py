@@ -480,16 +480,14 @@ class DintModel(DintPreTrainedModel):
         if cache is not None:
             check_dint_cache(cache, config, materializing)
 
-        given_position_ids = position_ids
-        if position_ids is None:
-            position_ids = default_position_ids(inputs_embeds, cache)
+        given_position_ids = position_ids  # the integral's documents restart at the caller's position ids only
+        position_ids = default_position_ids(inputs_embeds, cache) if position_ids is None else position_ids
 
         masks = create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids, materializing)
         if integral_layout is None and config.integral != "none":
-            batch_size, query_length = inputs_embeds.shape[:2]
             integral_layout = forward_integral_layout(
-                masks[DINT_QUERY_VALID_KEY], given_position_ids, cache, batch_size, query_length,
-                inputs_embeds.device, kwargs.get("cu_seq_lens_q"),
+                masks[DINT_QUERY_VALID_KEY], given_position_ids, cache, *inputs_embeds.shape[:2], inputs_embeds.device,
+                kwargs.get("cu_seq_lens_q"),
             )
 
         hidden_states = inputs_embeds
