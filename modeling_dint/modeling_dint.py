@@ -45,6 +45,9 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+# The cache layers, imported here although the integral uses them: transformers 5.5 copies only the direct relative
+# imports of the modeling file into a remote-code module, and the layers must register their layer type at load.
+from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401
 from .configuration_dint import (
     DINT_LAYER_TYPE,
     MATERIALIZING,
