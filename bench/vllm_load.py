@@ -6,7 +6,8 @@ For each size (`tiny`: hidden 256, 4 layers, 8 softmax maps of 32 channels; `smo
 SmolLM2's 9/3 heads gives them, the same for Llama), the models (bench_common.build_model: random weights, same seed,
 shared tensors copied) are saved with the repository's tokenizer and served by three servers at once:
 
-- `vllm-dint`, `vllm-llama`: vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the CPU build in
+- `vllm-dint`, `vllm-llama`, `vllm-dint-v2` (DINT on DIFF V2's layout: an ordinary attention layer with the same
+  query and KV heads as the Llama): vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the CPU build in
   the virtualenv `.ci/vllm_env.py` makes; default engine settings: compiled, chunked prefill, prefix caching);
 - `dint-serve`: `dint-serve --continuous-batching` (transformers' server, this python).
 
@@ -18,6 +19,8 @@ tokens vLLM reports for its `VLLM_CPU_KVCACHE_SPACE`), i.e. the KV-cache bytes p
 
     python bench/vllm_load.py                                  # bench/results/vllm_cpu/results.{json,md}
     python bench/vllm_load.py --sizes tiny --concurrency 1 4 --repeats 1
+    python bench/vllm_load.py --sizes tiny-gqa --systems vllm-dint vllm-llama vllm-dint-v2 --concurrency 1 16 \
+        --repeats 1 --output-dir bench/results/vllm_cpu_v2       # DINT-V2's row (issue 37)
 
 Needs the serving extra in this python (pip install -e ".[serve]") and the vLLM virtualenv (`python .ci/vllm_env.py`).
 """
@@ -45,12 +48,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {
     "tiny": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
              "num_key_value_heads": 8, "head_dim": 32, "vocab_size": None},
+    # GQA: 8 query heads over 4 KV heads, so that DINT-V2 (4 differential heads, one KV head each) has the Llama's heads
+    "tiny-gqa": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "head_dim": 32, "vocab_size": None},
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 18,
                 "num_key_value_heads": 6, "head_dim": 64, "vocab_size": 49152},
 }
 """vocab_size None: the tokenizer's. head_dim 32 and 64: vLLM's CPU attention takes 32, 64, 80, ...; DINT's cache
 heads are 2*head_dim wide (64 and 128)."""
-SYSTEMS = ("vllm-dint", "vllm-llama", "dint-serve")
+SYSTEMS = ("vllm-dint", "vllm-llama", "dint-serve", "vllm-dint-v2")
 KV_CACHE_SPACE_GIB = 2
 MAX_MODEL_LEN = 2048
 SERVER_STARTUP_SECONDS = 900
@@ -59,7 +65,8 @@ SERVER_STARTUP_SECONDS = 900
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:3]), choices=list(SYSTEMS),
+                        help="vllm-dint-v2 needs a size whose KV heads divide half the heads (tiny-gqa)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -83,8 +90,9 @@ def vllm_python(path: str | None) -> str:
     return completed.stdout.strip().splitlines()[-1]
 
 
-def save_models(size: dict, directory: str) -> dict[str, str]:
-    """DINT and Llama of one size, same seed (shared tensors equal), with the repository's tokenizer."""
+def save_models(size: dict, directory: str, with_v2: bool = False) -> dict[str, str]:
+    """DINT, Llama (and DINT-V2 where `with_v2`) of one size, same seed (shared tensors equal), with the repository's
+    tokenizer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
@@ -92,7 +100,7 @@ def save_models(size: dict, directory: str) -> dict[str, str]:
                    "tie_word_embeddings": False, "use_cache": True, "pad_token_id": tokenizer.pad_token_id,
                    "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     paths = {}
-    for name, model_name in (("dint", "dint_fast"), ("llama", "llama")):
+    for name, model_name in (("dint", "dint_fast"), ("llama", "llama"), ("dint_v2", "dint_v2"))[: 3 if with_v2 else 2]:
         model = build_model(model_name, size_kwargs, "sdpa", torch.float32, "cpu")
         paths[name] = os.path.join(directory, name)
         model.save_pretrained(paths[name])
@@ -155,8 +163,9 @@ def kv_cache_tokens(log_path: str) -> int | None:
 
 
 def measure_size(args, size_name: str, python: str, prompts: list, directory: str) -> dict:
-    paths = save_models(SIZES[size_name], directory)
-    served = {"vllm-dint": paths["dint"], "vllm-llama": paths["llama"], "dint-serve": paths["dint"]}
+    paths = save_models(SIZES[size_name], directory, with_v2="vllm-dint-v2" in args.systems)
+    served = {"vllm-dint": paths["dint"], "vllm-llama": paths["llama"], "dint-serve": paths["dint"],
+              "vllm-dint-v2": paths.get("dint_v2")}
     systems = [system for system in SYSTEMS if system in args.systems]
     servers, kv_tokens = {}, {}
     try:
@@ -251,6 +260,8 @@ def render_markdown(result: dict) -> str:
             parts = []
             if "vllm-dint" in runs and "vllm-llama" in runs:
                 parts.append(f"vLLM DINT / vLLM Llama {paired_ratio(runs['vllm-dint'], runs['vllm-llama']):.2f}")
+            if "vllm-dint-v2" in runs and "vllm-llama" in runs:
+                parts.append(f"vLLM DINT-V2 / vLLM Llama {paired_ratio(runs['vllm-dint-v2'], runs['vllm-llama']):.2f}")
             if "vllm-dint" in runs and "dint-serve" in runs:
                 parts.append(f"vLLM DINT / dint-serve {paired_ratio(runs['vllm-dint'], runs['dint-serve']):.2f}")
             ratios.append(f"{level['concurrency']} clients: " + ", ".join(parts))
