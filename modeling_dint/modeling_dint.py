@@ -130,10 +130,10 @@ class DintAttention(nn.Module):
             config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
-        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim).normal_(0, config.lambda_std_dev))
+        self.lambda_q1 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_k1 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_q2 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
+        self.lambda_k2 = nn.Parameter(torch.empty(self.head_dim, dtype=torch.float32).normal_(0, config.lambda_std_dev))
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
                 2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=config.head_norm_affine

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch._dynamo
 from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model
-from transformers import AutoConfig, CompileConfig
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig
 
 from modeling_dint import (
     DintConfig,
@@ -67,6 +67,39 @@ def test_lambda_vectors_stay_fp32_in_half_precision_loads(tmp_path, dtype):
     for name, parameter in model.named_parameters():
         expected = torch.float32 if name.split(".")[-1] in LAMBDA_VECTORS else dtype
         assert parameter.dtype == expected, name
+
+
+def build_under_default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return DintForCausalLM(tiny_config())
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda dtype: DintForCausalLM._from_config(tiny_config(), dtype=dtype), id="_from_config"),
+        pytest.param(lambda dtype: AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype), id="from_config"),
+        pytest.param(build_under_default_dtype, id="default_dtype"),
+    ],
+)
+def test_lambda_vectors_are_built_fp32_under_a_half_precision_default_dtype(build, dtype):
+    """A strict-fp32 parameter is fp32 however the model is built: `from_config(..., dtype=...)` builds the model under
+    that default dtype (transformers' `test_keep_in_fp32_modules_strict`), and the other weights follow it."""
+    model = build(dtype).eval()
+    for name, parameter in model.named_parameters():
+        expected = torch.float32 if name.split(".")[-1] in LAMBDA_VECTORS else dtype
+        assert parameter.dtype == expected, name
+    input_ids = torch.randint(2, 128, (2, 6))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        generated = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert generated.shape == (2, 9)
 
 
 # --- configuration ---
