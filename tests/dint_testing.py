@@ -61,3 +61,27 @@ def left_padded_batch(vocab_size: int = 128, lengths=(9, 5), pad_token_id: int =
         input_ids[row, width - length :] = torch.randint(2, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
+
+
+def assert_equal_to_rounding(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 8, msg: str | None = None):
+    """`actual` equals `expected` to the float's rounding: within `ulps` times the dtype's epsilon times the largest
+    |expected| (a few units in the last place of the largest value).
+
+    For results of the same computation on operands at other memory addresses, where the platform promises no bit
+    equality: MKL's matrix products (torch's CPU BLAS) sum in an order that depends on the operands' alignment unless
+    `MKL_CBWR` is set, and weights loaded from safetensors are 8-byte aligned only (8 bytes off a 64-byte boundary for
+    the tiny model) where freshly built ones sit on one. On Intel CPUs the two orders agreed; on an AMD EPYC (MKL's
+    AVX2 path) a reload moved the tiny model's logits by 1.2e-7, two units in the last place. A real difference (a
+    weight, a dtype, a state) is orders of magnitude larger."""
+    tolerance = ulps * torch.finfo(expected.dtype).eps * expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=tolerance, msg=msg)
+
+
+def realigned(model):
+    """`model` with every parameter and buffer copied into memory of its own (torch's CPU allocator aligns each
+    allocation to 64 bytes, as a freshly built model's weights are): the same values at a freshly built model's
+    alignment."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model

@@ -67,7 +67,11 @@ def test_main_job_quick(tmp_path):
 
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["heldout_perplexity_after"] < 0.8 * metrics["heldout_perplexity_before"]
-    assert metrics["reload_max_logit_difference"] == 0.0
+    # The reloaded weights sit where safetensors put them (8-byte aligned only), the trained ones on a 64-byte boundary:
+    # MKL (without `MKL_CBWR`) may sum in another order there, and does on AMD CPUs. Equal to the float's rounding, a
+    # few units in the last place of the largest logit (0.0 on the Intel CPUs measured so far).
+    rounding = 8 * torch.finfo(torch.float32).eps * metrics["reload_max_abs_logit"]
+    assert metrics["reload_max_logit_difference"] <= rounding, (metrics["reload_max_logit_difference"], rounding)
     # Step 6 reloaded it in a process where `import modeling_dint` fails: the class is the remote code's.
     assert metrics["reloaded_class"].startswith("transformers_modules.") and metrics["threads"] == 1
     assert metrics["sample"].startswith("MACBETH.")
