@@ -1,5 +1,9 @@
 """Helpers the tests share: tiny configs and models, built here (nothing is downloaded)."""
 
+import importlib.util
+import os
+import re
+
 import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
@@ -85,3 +89,29 @@ def realigned(model):
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.data = tensor.data.clone()
     return model
+
+
+TORCHAO_PYTREE_ENUMS = ("KernelPreference", "ScaleCalculationMode")
+"""The Enum classes torchao 0.18 (the `quantization` extra) registers as pytree constants when it is imported
+(`torchao.quantization.quantize_.common.kernel_preference`, `torchao.prototype.mx_formats.config`): torch 2.13 logs
+a deprecation warning for each."""
+
+
+def without_torchao_import_lines(text: str) -> str:
+    """`text` without the lines torchao's own import writes, where torchao is installed (the `quantization` extra):
+    transformers imports torchao with every model class, and on a CPU-only torch torchao's logger says "Failed to load
+    <torchao's package folder>/_C....so: ..." for each of its CUDA extensions, and torch's pytree logger warns about
+    each of torchao's Enum constants. Only those lines go: every other line stays, and all of `text` without torchao."""
+    spec = importlib.util.find_spec("torchao")
+    if spec is None:
+        return text
+    package_dir = re.escape(os.path.dirname(spec.origin))
+    torchao_lines = [
+        re.compile(rf"Failed to load {package_dir}/_C[\w.-]*\.so: "),
+        re.compile(
+            r"W\d{4} [\d:.]+ +\d+ \S*torch/utils/_pytree\.py:\d+\] "
+            rf"<enum '({'|'.join(TORCHAO_PYTREE_ENUMS)})'> is an Enum subclass "
+        ),
+    ]
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not any(pattern.match(line) for pattern in torchao_lines))
