@@ -27,7 +27,7 @@ Setting `_layer_type` registers the classes in transformers' cache-layer mapping
 """
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .configuration_dint import DINT_LAYER_TYPE, uses_materializing_path
 from .transformers_compat import RecurrentStateAndFullAttentionLayer, RecurrentStateAndStaticFullAttentionLayer
@@ -255,6 +255,11 @@ class DintStaticLayer(DintIntegralStateMixin, RecurrentStateAndStaticFullAttenti
             self.is_recurrent_states_initialized[state_idx] = False
         # transformers' storage: allocated at the first update (a static address), then written in place
         return RecurrentStateAndStaticFullAttentionLayer.update_recurrent_state(self, state, state_idx)
+
+    def get_max_length(self) -> int:
+        # The recurrent-state parent answers first in the MRO (-1: a recurrent state has no sequence axis); the keys
+        # and values have a fixed length, which generate()'s callers read as `StaticLayer` answers it.
+        return StaticLayer.get_max_length(self)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(

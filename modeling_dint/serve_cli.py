@@ -37,7 +37,7 @@ The upstream changes that make this module unnecessary, in `transformers/cli/ser
   `max_new_tokens` at what remains. A non-streaming generation should stop when its client disconnects, as a
   streaming one does (`DirectStreamer.cancel` / `cancel_request`), polling `Request.is_disconnected()`.
 
-Requires the serving extra: `pip install "modeling-dint[serve]"`.
+Requires the serving extra: `pip install -e ".[serve]"` in the repository's root.
 """
 
 import inspect
@@ -360,9 +360,11 @@ def main(argv: list[str] | None = None) -> None:
         from transformers.cli.serve import Serve
         from transformers.utils.import_utils import is_serve_available
     except ImportError as error:
-        raise SystemExit(f'dint-serve needs the serving extra: pip install "modeling-dint[serve]" ({error})') from error
+        raise SystemExit(
+            f'dint-serve needs the serving extra: pip install -e ".[serve]" in the repository root ({error})'
+        ) from error
     if not is_serve_available():
-        raise SystemExit('dint-serve needs the serving extra: pip install "modeling-dint[serve]"')
+        raise SystemExit('dint-serve needs the serving extra: pip install -e ".[serve]" in the repository root')
 
     import modeling_dint  # noqa: F401  (registers DINT with the Auto classes)
 

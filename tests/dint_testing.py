@@ -1,5 +1,9 @@
 """Helpers the tests share: tiny configs and models, built here (nothing is downloaded)."""
 
+import importlib.util
+import os
+import re
+
 import pytest
 import torch
 
@@ -69,3 +73,53 @@ def left_padded_batch(vocab_size: int = 128, lengths=(9, 5), pad_token_id: int =
         input_ids[row, width - length :] = torch.randint(2, vocab_size, (length,), generator=generator)
         attention_mask[row, width - length :] = 1
     return input_ids, attention_mask
+
+
+def assert_equal_to_rounding(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 8, msg: str | None = None):
+    """`actual` equals `expected` to the float's rounding: within `ulps` times the dtype's epsilon times the largest
+    |expected| (a few units in the last place of the largest value).
+
+    For results of the same computation on operands at other memory addresses, where the platform promises no bit
+    equality: MKL's matrix products (torch's CPU BLAS) sum in an order that depends on the operands' alignment unless
+    `MKL_CBWR` is set, and weights loaded from safetensors are 8-byte aligned only (8 bytes off a 64-byte boundary for
+    the tiny model) where freshly built ones sit on one. On Intel CPUs the two orders agreed; on an AMD EPYC (MKL's
+    AVX2 path) a reload moved the tiny model's logits by 1.2e-7, two units in the last place. A real difference (a
+    weight, a dtype, a state) is orders of magnitude larger."""
+    tolerance = ulps * torch.finfo(expected.dtype).eps * expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=tolerance, msg=msg)
+
+
+def realigned(model):
+    """`model` with every parameter and buffer copied into memory of its own (torch's CPU allocator aligns each
+    allocation to 64 bytes, as a freshly built model's weights are): the same values at a freshly built model's
+    alignment."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+TORCHAO_PYTREE_ENUMS = ("KernelPreference", "ScaleCalculationMode")
+"""The Enum classes torchao 0.18 (the `quantization` extra) registers as pytree constants when it is imported
+(`torchao.quantization.quantize_.common.kernel_preference`, `torchao.prototype.mx_formats.config`): torch 2.13 logs
+a deprecation warning for each."""
+
+
+def without_torchao_import_lines(text: str) -> str:
+    """`text` without the lines torchao's own import writes, where torchao is installed (the `quantization` extra):
+    transformers imports torchao with every model class, and on a CPU-only torch torchao's logger says "Failed to load
+    <torchao's package folder>/_C....so: ..." for each of its CUDA extensions, and torch's pytree logger warns about
+    each of torchao's Enum constants. Only those lines go: every other line stays, and all of `text` without torchao."""
+    spec = importlib.util.find_spec("torchao")
+    if spec is None:
+        return text
+    package_dir = re.escape(os.path.dirname(spec.origin))
+    torchao_lines = [
+        re.compile(rf"Failed to load {package_dir}/_C[\w.-]*\.so: "),
+        re.compile(
+            r"W\d{4} [\d:.]+ +\d+ \S*torch/utils/_pytree\.py:\d+\] "
+            rf"<enum '({'|'.join(TORCHAO_PYTREE_ENUMS)})'> is an Enum subclass "
+        ),
+    ]
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not any(pattern.match(line) for pattern in torchao_lines))

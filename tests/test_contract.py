@@ -4,8 +4,15 @@
 import pytest
 import torch
 import torch._dynamo
-from dint_testing import LAYOUTS, V2, cache_of, left_padded_batch, tiny_config, tiny_model
-from transformers import AutoConfig, CompileConfig
+from dint_testing import LAYOUTS, V2, cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    CompileConfig,
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    StaticCache,
+)
 
 from modeling_dint import (
     DintConfig,
@@ -49,6 +56,79 @@ def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral
     assert torch.equal(output, expected)
 
 
+# --- static cache: the keys and values have a fixed length ---
+
+
+def test_static_cache_has_the_fixed_length_of_its_keys_and_values():
+    model = tiny_model()
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    with torch.no_grad():
+        model(torch.randint(2, 128, (1, 5)), **with_cache(cache))
+    assert [layer.get_max_length() for layer in cache.layers] == [12, 12]
+    assert cache.get_max_length() == 12
+    assert cache.get_mask_sizes(1, 0) == (12, 0)
+    assert cache.get_seq_length() == 5
+
+
+def diffllama_like(model):
+    """transformers' DiffLlama with the tiny DINT's head layout, eager attention (it returns the maps)."""
+    config = model.config
+    reference = DiffLlamaForCausalLM(
+        DiffLlamaConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            pad_token_id=config.pad_token_id,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+        )
+    ).eval()
+    reference.config._attn_implementation = "eager"
+    return reference
+
+
+def static_generation_map_shapes(model, input_ids, **generate_kwargs):
+    """The shapes of the attention maps of every step of a static-cache generate(), and the cache's max length."""
+    cache = StaticCache(config=model.config, max_cache_len=12)  # longer than the 8 tokens generated
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, **with_cache(cache), max_new_tokens=3, do_sample=False, output_attentions=True,
+            return_dict_in_generate=True, **generate_kwargs,
+        )
+    shapes = [[tuple(maps.shape) for maps in step] for step in output.attentions]
+    return shapes, cache.get_max_length()
+
+
+def assert_maps_span_the_static_cache(model, input_ids, **generate_kwargs):
+    """What transformers' generation tests (`_check_attentions_for_generate`) check of a static cache: each step's maps
+    have one key per slot of the cache, `cache.get_max_length()` of them, as DiffLlama's do."""
+    shapes, max_length = static_generation_map_shapes(model, input_ids, **generate_kwargs)
+    reference_shapes, reference_max_length = static_generation_map_shapes(
+        diffllama_like(model), input_ids, **generate_kwargs
+    )
+    assert max_length == reference_max_length == 12
+    assert shapes == reference_shapes
+    heads = model.config.num_attention_heads
+    assert shapes[0] == [(1, heads, input_ids.shape[1], 12)] * 2  # the prompt
+    assert all(step == [(1, heads, 1, 12)] * 2 for step in shapes[1:])  # one token each
+
+
+def test_static_cache_generation_returns_maps_over_the_cache_length():
+    assert_maps_span_the_static_cache(tiny_model("eager"), torch.randint(2, 128, (1, 5)))
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_generation_returns_maps_over_the_cache_length():
+    torch._dynamo.reset()
+    compile_config = compile_on_every_device(CompileConfig(fullgraph=True, dynamic=False))  # the CPU included
+    model = tiny_model("eager")
+    assert_maps_span_the_static_cache(model, torch.randint(2, 128, (1, 5)), compile_config=compile_config)
+    assert hasattr(model, "_compiled_call"), "generate() did not compile the forward"
+
+
 # --- dtypes: the lambda vectors stay fp32 ---
 
 
@@ -67,6 +147,39 @@ def test_lambda_vectors_stay_fp32_in_half_precision_loads(tmp_path, dtype):
     for name, parameter in model.named_parameters():
         expected = torch.float32 if name.split(".")[-1] in LAMBDA_VECTORS else dtype
         assert parameter.dtype == expected, name
+
+
+def build_under_default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return DintForCausalLM(tiny_config())
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda dtype: DintForCausalLM._from_config(tiny_config(), dtype=dtype), id="_from_config"),
+        pytest.param(lambda dtype: AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype), id="from_config"),
+        pytest.param(build_under_default_dtype, id="default_dtype"),
+    ],
+)
+def test_lambda_vectors_are_built_fp32_under_a_half_precision_default_dtype(build, dtype):
+    """A strict-fp32 parameter is fp32 however the model is built: `from_config(..., dtype=...)` builds the model under
+    that default dtype (transformers' `test_keep_in_fp32_modules_strict`), and the other weights follow it."""
+    model = build(dtype).eval()
+    for name, parameter in model.named_parameters():
+        expected = torch.float32 if name.split(".")[-1] in LAMBDA_VECTORS else dtype
+        assert parameter.dtype == expected, name
+    input_ids = torch.randint(2, 128, (2, 6))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        generated = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+    assert logits.dtype == dtype and torch.isfinite(logits).all()
+    assert generated.shape == (2, 9)
 
 
 # --- configuration ---

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import yaml
+from dint_testing import without_torchao_import_lines
 
 from modeling_dint.hub import REMOTE_CODE_FILES
 
@@ -52,7 +53,9 @@ def test_main_job_quick(tmp_path):
     assert "reference run" not in result.stdout  # --quick leaves examples/main_job_results/metrics.json alone
     with open(REFERENCE_RECORD, "rb") as file:
         assert file.read() == record_before
-    assert "Failed to load" not in result.stdout + result.stderr  # no torchao import noise
+    # No import noise of DINT's (with the `quantization` extra, torchao's own import lines are torchao's)
+    for output in (result.stdout, result.stderr):
+        assert "Failed to load" not in without_torchao_import_lines(output)
 
     files = set(os.listdir(output_dir))
     assert {
@@ -67,7 +70,11 @@ def test_main_job_quick(tmp_path):
 
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["heldout_perplexity_after"] < 0.8 * metrics["heldout_perplexity_before"]
-    assert metrics["reload_max_logit_difference"] == 0.0
+    # The reloaded weights sit where safetensors put them (8-byte aligned only), the trained ones on a 64-byte boundary:
+    # MKL (without `MKL_CBWR`) may sum in another order there, and does on AMD CPUs. Equal to the float's rounding, a
+    # few units in the last place of the largest logit (0.0 on the Intel CPUs measured so far).
+    rounding = 8 * torch.finfo(torch.float32).eps * metrics["reload_max_abs_logit"]
+    assert metrics["reload_max_logit_difference"] <= rounding, (metrics["reload_max_logit_difference"], rounding)
     # Step 6 reloaded it in a process where `import modeling_dint` fails: the class is the remote code's.
     assert metrics["reloaded_class"].startswith("transformers_modules.") and metrics["threads"] == 1
     assert metrics["sample"].startswith("MACBETH.")

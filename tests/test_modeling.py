@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from dint_testing import LAYOUTS, left_padded_batch, tiny_config, tiny_model
+from dint_testing import LAYOUTS, assert_equal_to_rounding, left_padded_batch, realigned, tiny_config, tiny_model
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -133,7 +133,12 @@ def test_head_norm_switches():
 
 
 @pytest.mark.parametrize("model_class", [DintForCausalLM, DintForSequenceClassification])
-def test_save_load_round_trip_is_bit_exact(tmp_path, model_class):
+def test_save_load_round_trip_keeps_every_weight_bit_for_bit(tmp_path, model_class):
+    """The state dict reloads bit for bit. The logits equal the saved model's to the float's rounding: the reloaded
+    weights sit where safetensors put them (8-byte aligned; 8 bytes off the 64-byte boundary the built model's sit on,
+    here), and MKL's matrix products (without `MKL_CBWR`) may sum in another order there (on an AMD EPYC they did: 2
+    units in the last place). Copied to the built model's alignment, the same weights give the same logits bit for bit
+    (the same kernels on the same alignment with the same threads: what MKL promises)."""
     config = tiny_config()
     torch.manual_seed(0)
     model = model_class(config).eval()
@@ -142,10 +147,12 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, model_class):
     assert not list(tmp_path.glob("*.bin"))
     reloaded = model_class.from_pretrained(tmp_path).eval()
     for (name, tensor), (other_name, other) in zip(model.state_dict().items(), reloaded.state_dict().items()):
-        assert name == other_name and torch.equal(tensor, other), name
+        assert name == other_name and tensor.dtype == other.dtype and torch.equal(tensor, other), name
     input_ids = torch.randint(2, 128, (2, 7))
     with torch.no_grad():
-        assert torch.equal(model(input_ids).logits, reloaded(input_ids).logits)
+        expected = model(input_ids).logits
+        assert_equal_to_rounding(reloaded(input_ids).logits, expected)
+        assert torch.equal(realigned(reloaded)(input_ids).logits, expected)
 
 
 def test_save_pretrained_writes_remote_code(tmp_path):
