@@ -51,6 +51,10 @@ _INTEGRAL_DESCRIPTIONS = {
     "softmax": "`A1 - lambda*A2 + lambda*softmax(G)` over the valid keys of each row (the arXiv v2 text)",
     "none": "plain DIFF attention `A1 - lambda*A2` (ablation baseline, no integral term)",
 }
+_LAYOUT_DESCRIPTIONS = {
+    "v1": "DIFF V1's, the paper's (signal maps then noise maps, 2*head_dim value channels per differential head)",
+    "v2": "DIFF V2's (query heads 2i and 2i+1 share a KV head: one ordinary attention call, Llama's KV cache)",
+}
 
 
 def format_parameter_count(num_parameters: int) -> str:
@@ -99,12 +103,17 @@ def dint_model_card(
     num_parameters = None if model is config else sum(parameter.numel() for parameter in model.parameters())
     parameter_bytes = None if model is config else sum(p.numel() * p.element_size() for p in model.parameters())
     dtype = None if model is config else str(next(model.parameters()).dtype).replace("torch.", "")
-    lambda_init = (
-        "depth schedule 0.8 - 0.6*exp(-0.3*layer)" if config.lambda_init is None else f"{config.lambda_init} (constant)"
-    )
+    layout = getattr(config, "differential_attention", "v1")
+    if layout == "v2":
+        lambda_init = "none: lambda = sigmoid(lambda_proj(x)) per token and differential head"
+    elif config.lambda_init is None:
+        lambda_init = "depth schedule 0.8 - 0.6*exp(-0.3*layer)"
+    else:
+        lambda_init = f"{config.lambda_init} (constant)"
     all_tags = ["dint", f"arxiv:{DINT_PAPER_ARXIV_ID}"]
     all_tags += [tag for tag in (tags or []) if tag not in all_tags]
     dint_metadata = {
+        "differential_attention": layout,
         "integral": config.integral,
         "lambda_init": config.lambda_init,
         "head_norm": config.head_norm,
@@ -144,6 +153,7 @@ def dint_model_card(
         "| | |",
         "| --- | --- |",
         f"| integral mode | `{config.integral}`: {_INTEGRAL_DESCRIPTIONS.get(config.integral, config.integral)} |",
+        f"| head layout | `{layout}`: {_LAYOUT_DESCRIPTIONS.get(layout, layout)} |",
     ]
     if num_parameters is not None:
         lines.append(f"| parameters | {num_parameters:,} ({format_parameter_count(num_parameters)}) |")

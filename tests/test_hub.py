@@ -52,6 +52,16 @@ def test_model_card_metadata_and_body():
     # From a config alone: no parameter count, still the integral mode.
     config_card = front_matter(dint_model_card(DintConfig.from_preset("tiny", integral="none")))
     assert config_card["dint"]["integral"] == "none" and "num_parameters" not in config_card["dint"]
+    assert config_card["dint"]["differential_attention"] == "v1"
+
+
+def test_model_card_of_a_v2_model_names_its_layout_and_lambda():
+    card = dint_model_card(DintConfig.from_preset("tiny-v2"))
+    assert front_matter(card)["dint"]["differential_attention"] == "v2"
+    body = card.split("---\n", 2)[2]
+    assert "| head layout | `v2`: DIFF V2's" in body
+    assert "sigmoid(lambda_proj(x))" in body and "depth schedule" not in body
+    assert "| per-head RMSNorm | off |" in body
 
 
 def test_model_card_refuses_other_models():
