@@ -229,7 +229,13 @@ def test_plateau_extension_applies_to_every_run_on_the_plateau():
     assert not training.converged(steps, [2.1] * len(steps), 200, 1000, settings, plateau=2.5)
     assert training.converged(steps + [2000], [2.1] * (len(steps) + 1), 200, 1000, settings, plateau=2.5)
     falling = [2.1] * (len(steps) - 1) + [1.0]
-    assert training.converged(steps, falling, 200, 1000, settings, plateau=2.5)
+    assert training.converged(steps, falling, 200, 1000, settings, plateau=2.5)  # left it by the cap: stops there
+    # on the plateau at the cap, left it at 1200 and still improving at 1300: the ordinary rule decides, not the cap
+    late = steps + [1050, 1100, 1150, 1200, 1250, 1300]
+    late_losses = [2.1] * (len(steps) + 3) + [1.0, 0.5, 0.25]
+    assert not training.converged(late, late_losses, 200, 1000, settings, plateau=2.5)
+    flat = late + list(range(1350, 1701, 50))
+    assert training.converged(flat, late_losses + [0.25] * 8, 200, 1000, settings, plateau=2.5)
     assert training.converged(steps, [2.1] * len(steps), 200, 1000, settings)  # no plateau: the cap
     assert training.extended_cap(1000, settings, 2.5, 200) == 2000
     assert training.extended_cap(1000, settings, 2.5, 1000) == 1000  # a fixed-length run (pilot, long) is not extended

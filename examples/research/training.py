@@ -37,9 +37,14 @@ def converged(
     that retrieves without matching keys: `plateau_loss`), where a flat curve can still drop."""
     step = eval_steps[-1]
     if step >= max_steps:
-        # issue 38: a run still on the plateau at the cap goes on to `plateau_max_steps` (every architecture alike)
+        # issue 38: a run still on the plateau at the cap goes on to `plateau_max_steps` (every architecture alike),
+        # and within it the rule below applies as before
         cap = extended_cap(max_steps, settings, plateau, min_steps)
-        return step >= cap or cap == max_steps or not on_plateau(min(validation_losses), plateau, settings)
+        if step >= cap:
+            return True
+        best_at_cap = min(loss for s, loss in zip(eval_steps, validation_losses) if s <= max_steps)
+        if not on_plateau(best_at_cap, plateau, settings):
+            return True  # it had left the plateau by the cap: stopped there, as without the extension
     if step < min_steps:
         return False
     if plateau is not None and on_plateau(min(validation_losses), plateau, settings):
