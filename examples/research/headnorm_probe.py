@@ -51,7 +51,15 @@ class ScaledHeadNorm(nn.Module):
 
 
 def scale_head_norm(model, variant: str) -> list[float]:
-    """Wraps each layer's head norm; returns the factors (per layer)."""
+    """Wraps each layer's head norm; returns the factors (per layer). `"emb<std>"` (e.g. "emb0.2"): the head norm
+    as is (x1), the token embedding (tied to the LM head) drawn again with that std instead of 0.02, so the residual
+    stream is at the head norm's scale: the same ratio changed from the other side."""
+    if variant.startswith("emb"):
+        generator = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            weight = model.model.embed_tokens.weight
+            weight.copy_(torch.randn(weight.shape, generator=generator) * float(variant[3:]))
+        return [1.0 for _ in model.model.layers]
     scales = []
     for layer in model.model.layers:
         attention = layer.self_attn
@@ -92,6 +100,38 @@ def measure(model, input_ids) -> list[dict]:
     return found
 
 
+def write_summary(out: Path) -> str:
+    """summary.md: per run, whether it learned, and the attention output's RMS over the residual stream's per layer at
+    init, at step 250 and at the end; the init measurement of every comparison kind (init.json)."""
+    lines = ["# Head-norm probe (issue 38): DINT-V1, hidden 64, head norm output scaled", "",
+             "Written by `python examples/research/headnorm_probe.py --summary`. attention/residual: RMS of the attention "
+             "block's output (o_proj, what is added to the stream) over the RMS of the residual stream entering the "
+             "layer, layers 0 / 1, on the validation batch; heads: RMS of the head norm's (scaled) output.", "",
+             "| variant (head norm output x) | seed | learned | best val loss (step) | attention/residual at init | "
+             "at 250 | at end | heads RMS at end | residual RMS at end |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ratio = lambda layers: " / ".join(f"{layer['attention_over_residual']:.2f}" for layer in layers)  # noqa: E731
+    for path in sorted(out.glob("*_s*.json")):
+        record = json.loads(path.read_text())
+        trajectory = {point["step"]: point["layers"] for point in record["trajectory"]}
+        last = record["trajectory"][-1]["layers"]
+        lines.append(
+            f"| {record['variant']} ({', '.join(f'{s:.2f}' for s in record['scales'])}) | {record['seed']} | "
+            f"{'yes' if record['learned'] else 'no'} | {record['best_validation_loss']:.3f} ({record['best_step']}) | "
+            f"{ratio(trajectory[0])} | {ratio(trajectory[250]) if 250 in trajectory else '-'} | {ratio(last)} | "
+            + " / ".join(f"{layer['heads']:.3f}" for layer in last) + " | "
+            + " / ".join(f"{layer['residual']:.3f}" for layer in last) + " |")
+    if (out / "init.json").exists():
+        lines += ["", "At init (seed 0), per kind: residual / heads / attention output RMS, layers 0 ; 1", ""]
+        for name, layers in json.loads((out / "init.json").read_text())["layers"].items():
+            lines.append(f"- {name}: " + " ; ".join(
+                f"{layer['residual']:.3f} / {layer['heads']:.3f} / {layer['attention_output']:.3f} "
+                f"(x{layer['attention_over_residual']:.2f})" for layer in layers))
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", nargs="+", default=["1", "lambda", "0.1"])
@@ -100,10 +140,14 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--measure-every", type=int, default=250)
     parser.add_argument("--init-only", action="store_true")
+    parser.add_argument("--summary", action="store_true", help="write OUT/summary.md from the records and stop")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.summary:
+        print(write_summary(args.out))
+        return
     settings = comparison_settings(64)
     hidden, context = settings.needle_configs[0]
     vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
