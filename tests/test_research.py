@@ -177,6 +177,71 @@ def test_architectures_have_equal_size(preset):
     assert 0 <= counts["transformer_per_map"] - counts["transformer"] < layers * 3 * hidden
 
 
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_comparison_architectures_have_equal_size(hidden):
+    """Issue 38's comparison: every kind within one SwiGLU channel per layer of DIFF-V1's parameter count; hidden 128
+    has 4 softmax maps per layer; V2 has 2h query heads of head_dim, h KV heads, and no head norm."""
+    settings = presets.comparison_settings(hidden)
+    assert settings.needle_configs[0][0] == hidden and settings.workers == 1 and settings.plateau_max_steps > settings.max_steps
+    assert settings.attention_heads >= (4 if hidden == 128 else 2)
+    models = {kind: model_shapes.build_model(kind, 100, 64, settings, hidden, 0) for kind in presets.COMPARISON}
+    counts = {kind: model_shapes.count_parameters(model) for kind, model in models.items()}
+    layers = settings.num_hidden_layers
+    for kind, count in counts.items():
+        assert 0 <= counts["diff"] - count < layers * 3 * hidden + 6 * settings.head_dim * layers, kind
+    assert counts["diff_no_head_norm"] == counts["diff"] - layers * 2 * settings.head_dim
+    for kind in ("diff_v2", "dint_v2"):
+        config = models[kind].config
+        assert config.differential_attention == "v2" and not config.head_norm
+        assert config.num_attention_heads == settings.attention_heads
+        assert config.num_key_value_heads == settings.attention_heads // 2
+        assert config.intermediate_size == model_shapes.v2_intermediate_size(settings, hidden) > settings.mlp_ratio * hidden
+        assert model_shapes.v2_attention_parameters(settings, hidden) * layers == sum(
+            p.numel() for layer in models[kind].model.layers for p in layer.self_attn.parameters())
+    assert models["diff_v2"].config.integral == "none" and models["dint_v2"].config.integral == "mean"
+    assert not models["dint_no_head_norm"].config.head_norm and models["dint"].config.head_norm
+
+
+@pytest.mark.parametrize("kind", ["diff_no_head_norm", "dint_no_head_norm", "diff_v2", "dint_v2"])
+def test_comparison_kinds_train_a_step_and_are_analysed(kind):
+    """Each new kind trains (its loss falls over a few steps on one batch) and runs the whole job (evaluation and the
+    attention analysis: DINT's final maps' rows sum to 1, V2's included)."""
+    settings = presets.quick_settings()
+    settings.min_steps, settings.max_steps = 2, 2
+    job = dict(phase="main", task="needle", kind=kind, hidden=16, context=32, lr=2e-3, seed=0)
+    record = runner.run_job(job, dataclasses.asdict(settings))
+    assert record["steps"] == 2 and math.isfinite(record["answer_share"])
+    if kind.startswith("dint"):  # DINT's final rows sum to 1 (DIFF's to 1 - lambda)
+        assert record["max_row_sum_error"] < 1e-4
+    vocab = tasks.NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    model = model_shapes.build_model(kind, vocab.size, 64, settings, 16, 0)
+    step, _ = training.make_training_step(model, 3e-3, settings)
+    batch = tasks.make_mixed_needle_batch(torch.Generator().manual_seed(0), 8, 32, (2,), vocab)
+    losses = [step(batch).item() for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_plateau_extension_applies_to_every_run_on_the_plateau():
+    """Issue 38's rule: with `plateau_max_steps`, a run still on the plateau at the cap goes on to that cap, one that
+    has left it stops at the cap as before; without it (the committed report's rule) nothing changes."""
+    settings = presets.Settings(min_steps=200, max_steps=1000, plateau_max_steps=2000)
+    steps = list(range(50, 1001, 50))
+    assert not training.converged(steps, [2.1] * len(steps), 200, 1000, settings, plateau=2.5)
+    assert training.converged(steps + [2000], [2.1] * (len(steps) + 1), 200, 1000, settings, plateau=2.5)
+    falling = [2.1] * (len(steps) - 1) + [1.0]
+    assert training.converged(steps, falling, 200, 1000, settings, plateau=2.5)  # left it by the cap: stops there
+    # on the plateau at the cap, left it at 1200 and still improving at 1300: the ordinary rule decides, not the cap
+    late = steps + [1050, 1100, 1150, 1200, 1250, 1300]
+    late_losses = [2.1] * (len(steps) + 3) + [1.0, 0.5, 0.25]
+    assert not training.converged(late, late_losses, 200, 1000, settings, plateau=2.5)
+    flat = late + list(range(1350, 1701, 50))
+    assert training.converged(flat, late_losses + [0.25] * 8, 200, 1000, settings, plateau=2.5)
+    assert training.converged(steps, [2.1] * len(steps), 200, 1000, settings)  # no plateau: the cap
+    assert training.extended_cap(1000, settings, 2.5, 200) == 2000
+    assert training.extended_cap(1000, settings, 2.5, 1000) == 1000  # a fixed-length run (pilot, long) is not extended
+    assert training.extended_cap(1000, presets.Settings(), 2.5, 200) == 1000
+
+
 @pytest.mark.parametrize("preset", ["Settings", "gpu_settings"])
 def test_preset_fits_its_data(preset):
     """Every trained length holds the largest needle count with all its queries, and the corpus holds the

@@ -63,10 +63,12 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
     model.eval()
     model.set_attn_implementation("eager")
     try:
-        outputs = model(input_ids=batch["input_ids"].to(model.device), output_attentions=True)
+        outputs = model(input_ids=batch["input_ids"].to(model.device), output_attentions=True,
+                        output_hidden_states=True)
     finally:
         model.set_attn_implementation("sdpa")
-    final_maps = [layer_map.cpu() for layer_map in final_attention_maps(model, kind, outputs.attentions)]
+    final_maps = [layer_map.cpu() for layer_map in final_attention_maps(model, kind, outputs.attentions,
+                                                                         hidden_states=outputs.hidden_states)]
     length = batch["input_ids"].shape[1]
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     negative, entries, worst_row_error = 0, 0, 0.0
@@ -92,8 +94,8 @@ def attention_statistics(model, kind: str, batch: dict) -> tuple[dict, dict]:
         "max_row_sum_error": worst_row_error,
     }
 
-    if not isinstance(model, DintForCausalLM):
-        return statistics, {"A_final": final_maps[-1][0, 0].tolist()}
+    if not isinstance(model, DintForCausalLM) or model.config.differential_attention == "v2":
+        return statistics, {"A_final": final_maps[-1][0, 0].tolist()}  # V2: lambda per token, no G of one lambda
     layer_maps = outputs.attentions[-1][0:1].float().cpu()
     half = layer_maps.shape[1] // 2
     lambda_full = model.model.layers[-1].self_attn.lambda_full().detach().cpu()

@@ -104,7 +104,7 @@ def run_needle_job(job: dict, settings: Settings) -> dict:
     )
     statistics, maps = attention_statistics(model, kind, analysis)
     record.update(statistics)
-    if isinstance(model, DintForCausalLM):
+    if isinstance(model, DintForCausalLM) and model.config.differential_attention == "v1":
         record["lambda_full"] = [layer.self_attn.lambda_full().item() for layer in model.model.layers]
     if seed == settings.seeds[0]:
         record["example_maps"] = maps

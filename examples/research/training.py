@@ -19,6 +19,14 @@ def on_plateau(best_validation_loss: float, plateau: float, settings: Settings) 
     return best_validation_loss > settings.plateau_fraction * plateau
 
 
+def extended_cap(max_steps: int, settings: Settings, plateau: float | None, min_steps: int = 0) -> int:
+    """The step cap of a run that is still on the plateau at `max_steps`: `settings.plateau_max_steps` where set (and
+    the run has a plateau and is not a fixed-length run, `min_steps < max_steps`), else `max_steps`."""
+    if plateau is None or settings.plateau_max_steps is None or min_steps >= max_steps:
+        return max_steps
+    return max(max_steps, settings.plateau_max_steps)
+
+
 def converged(
     eval_steps, validation_losses, min_steps: int, max_steps: int, settings: Settings, plateau: float | None = None
 ) -> bool:
@@ -29,7 +37,14 @@ def converged(
     that retrieves without matching keys: `plateau_loss`), where a flat curve can still drop."""
     step = eval_steps[-1]
     if step >= max_steps:
-        return True
+        # issue 38: a run still on the plateau at the cap goes on to `plateau_max_steps` (every architecture alike),
+        # and within it the rule below applies as before
+        cap = extended_cap(max_steps, settings, plateau, min_steps)
+        if step >= cap:
+            return True
+        best_at_cap = min(loss for s, loss in zip(eval_steps, validation_losses) if s <= max_steps)
+        if not on_plateau(best_at_cap, plateau, settings):
+            return True  # it had left the plateau by the cap: stopped there, as without the extension
     if step < min_steps:
         return False
     if plateau is not None and on_plateau(min(validation_losses), plateau, settings):
@@ -122,6 +137,7 @@ def train_to_convergence(
     recent_train_losses = collections.deque(maxlen=eval_every)  # bounded: a long run keeps only these
     best_loss, best_state, best_step = math.inf, None, 0
     step = 0
+    final_cap = extended_cap(max_steps, settings, plateau, min_steps)
     started_wall, started_cpu = time.perf_counter(), time.thread_time()
     while True:
         loss = training_step(to_device(next_batch(), settings.device))
@@ -130,7 +146,7 @@ def train_to_convergence(
         step += 1
         if step == 1:  # the first step compiles: its time is kept apart from the steps per second
             first_step_wall, first_step_cpu = time.perf_counter() - started_wall, time.thread_time() - started_cpu
-        if step % eval_every == 0 or step >= max_steps:
+        if step % eval_every == 0 or step == max_steps or step >= final_cap:
             model.eval()
             validation = evaluate_answers(evaluation_logits_of, validation_batch)
             model.train()
@@ -157,6 +173,7 @@ def train_to_convergence(
         "steps_per_second": (step - 1) / max(loop_wall - first_step_wall, 1e-9),
         "steps_per_cpu_second": (step - 1) / max(loop_cpu - first_step_cpu, 1e-9),
         "hit_cap": step >= max_steps,
+        "extended_past_cap": step > max_steps,  # issue 38's plateau extension (`extended_cap`) ran
         # the worker process's peak resident memory so far (MB): a long run that grows shows here
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "best_step": best_step,

@@ -1,0 +1,260 @@
+# Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
+"""Issue 38's registered comparison: the Transformer, DIFF-V1 and DINT-V1 (the paper's, head norm), both without the
+head norm, DIFF-V2 and DINT-V2, at equal parameter count, on the committed report's needle task and rules plus the
+plateau extension (`Settings.plateau_max_steps`), 5 seeds, one training process at a time.
+
+    python examples/research/compare.py --hidden 64                 # runs (resumable) then summary.md
+    python examples/research/compare.py --hidden 64 --summary-only  # summary.md from jobs.jsonl
+    python examples/research/compare.py --hidden 128 --rate 200     # steps/s per architecture (rate.json, rate.md)
+    python examples/research/compare.py --hidden 128 --sweep        # hidden 128: the learning-rate sweep first
+
+Records go to `results/v2/h{hidden}/jobs.jsonl` (one line per finished run, appended as it finishes, so a killed run
+resumes where it stopped); `summary.md` there says which (architecture, seed) ran and whether each learned, the
+Table 4 accuracies at 1x/2x/4x with 95% bootstrap intervals, the first-query control, and a verdict (the decision
+rule, `decision_rule.beats`) only for pairs where both architectures ran every seed and learned on at least 4 of 5.
+It never writes results/report.md (the committed report of issue 30).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from decision_rule import beats, ci_text, difference_text  # noqa: E402
+from model_shapes import build_model, count_parameters  # noqa: E402
+from runner import environment, job_id, run_jobs  # noqa: E402
+from settings import COMPARISON, DESCRIPTIONS, Settings, comparison_settings  # noqa: E402
+from tasks import NeedleVocabulary, make_mixed_needle_batch, plateau_loss  # noqa: E402
+from training import make_training_step, on_plateau, to_device  # noqa: E402
+
+
+RESULTS = Path(__file__).resolve().parent / "results" / "v2"
+
+# The learning rates, fixed before any run of the comparison. Hidden 64: the committed report's sweep (1e-3, 2e-3,
+# 4e-3 on seed 100) chose 2e-3 for the Transformer, 1e-3 for DIFF and for DINT; the kinds it did not sweep take their
+# family's rate (DIFF's for DIFF without head norm and DIFF-V2, DINT's for DINT without head norm and DINT-V2), as the
+# report's Table 6 ablations take DINT's. Hidden 128 has no committed sweep: `--sweep` runs it (the harness's rule).
+REGISTERED_LEARNING_RATES = {
+    64: {"transformer": 2e-3, "diff": 1e-3, "dint": 1e-3, "diff_no_head_norm": 1e-3, "dint_no_head_norm": 1e-3,
+         "diff_v2": 1e-3, "dint_v2": 1e-3},
+}
+
+# The pairs a verdict is given for (A, B: "A beats B"), where both learned on at least 4 of 5 seeds.
+PAIRS = (
+    ("dint", "transformer"), ("diff", "transformer"), ("dint", "diff"),
+    ("dint_no_head_norm", "diff_no_head_norm"), ("dint_no_head_norm", "transformer"),
+    ("diff_no_head_norm", "transformer"),
+    ("dint_v2", "diff_v2"), ("dint_v2", "transformer"), ("diff_v2", "transformer"),
+)
+
+
+def comparison_jobs(settings: Settings, kinds, learning_rates: dict) -> list[dict]:
+    """Seed-major (every kind on seed 0 first), so a partial run covers every architecture on its first seeds."""
+    hidden, context = settings.needle_configs[0]
+    return [
+        dict(phase="main", task="needle", kind=kind, hidden=hidden, context=context, lr=learning_rates[kind], seed=seed)
+        for seed in settings.seeds
+        for kind in kinds
+    ]
+
+
+def sweep_jobs(settings: Settings, kinds) -> list[dict]:
+    hidden, context = settings.needle_configs[0]
+    return [
+        dict(phase="sweep", task="needle", kind=kind, hidden=hidden, context=context, lr=lr, seed=settings.sweep_seed)
+        for kind in kinds
+        for lr in settings.learning_rates
+    ]
+
+
+def read_journal(journal: Path) -> dict:
+    if not journal.exists():
+        return {}
+    return {record["id"]: record for record in map(json.loads, journal.read_text().splitlines())}
+
+
+def learned(record: dict, settings: Settings) -> bool:
+    """Left the 1/N plateau: best validation loss below `plateau_fraction` x the plateau loss (the stopping rule's
+    own test)."""
+    return not on_plateau(record["best_validation_loss"], plateau_loss(settings), settings)
+
+
+def parameter_counts(settings: Settings, kinds) -> dict:
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    hidden, context = settings.needle_configs[0]
+    return {kind: count_parameters(build_model(kind, vocab.size, context * 4, settings, hidden, 0)) for kind in kinds}
+
+
+def measure_rates(settings: Settings, kinds, steps: int) -> dict:
+    """Training steps per second of one thread, compiled step, `steps` steps after the first (compilation), no
+    validation; and the wall seconds of the first step."""
+    torch.set_num_threads(1)
+    vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
+    hidden, context = settings.needle_configs[0]
+    rates = {}
+    for kind in kinds:
+        model = build_model(kind, vocab.size, context * 4, settings, hidden, 0)
+        step, _ = make_training_step(model, 1e-3, settings)
+        generator = torch.Generator().manual_seed(0)
+        batches = [make_mixed_needle_batch(generator, settings.needle_batch, context, settings.train_needle_counts,
+                                           vocab, settings.needle_layout) for _ in range(steps + 1)]
+        started = time.perf_counter()
+        step(to_device(batches[0], settings.device)).item()
+        first = time.perf_counter() - started
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        for batch in batches[1:]:
+            loss = step(batch)
+        loss.item()
+        wall, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
+        rates[kind] = {"steps_per_second": steps / wall, "steps_per_cpu_second": steps / cpu,
+                       "first_step_seconds": first, "parameters": count_parameters(model)}
+        print(f"{kind}: {steps / wall:.1f} steps/s ({steps / cpu:.1f} per CPU second), first step {first:.1f} s",
+              flush=True)
+    return rates
+
+
+def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path, parameters: dict) -> str:
+    hidden, context = settings.needle_configs[0]
+    plateau = plateau_loss(settings)
+    counts, factors = settings.needle_counts, settings.length_factors
+    two = min(n for n in counts if n >= 2)
+    by_kind = {kind: sorted((r for r in records.values() if r["phase"] == "main" and r["kind"] == kind
+                             and r["hidden"] == hidden), key=lambda r: r["seed"]) for kind in kinds}
+    ci = lambda values: ci_text(values, settings) if len(values) > 1 else (f"{values[0]:.3f}" if values else "-")  # noqa: E731
+    lines = [
+        f"# Issue 38's registered comparison, hidden {hidden}, trained at {context} tokens (partial until every cell "
+        "has 5 seeds)", "",
+        f"Written by `python examples/research/compare.py --hidden {hidden} --summary-only` from `jobs.jsonl` "
+        f"(one record per finished run). Environment: {environment()}.", "",
+        "Rules (fixed in code before the first run): the committed report's task, stopping rule and plateau clause "
+        f"(`Settings`), plus issue 38's plateau extension: a run still on the plateau (best validation loss above "
+        f"{settings.plateau_fraction} x {plateau:.3f}) at the {settings.max_steps}-step cap goes on to "
+        f"{settings.plateau_max_steps} steps, every architecture alike. Learning rates: "
+        + ", ".join(f"{kind} {learning_rates[kind]:g}" for kind in kinds)
+        + f". *Learned*: left the 1/N plateau (best validation loss below {settings.plateau_fraction * plateau:.3f}).",
+        "", f"Parameters: " + ", ".join(f"{kind} {parameters[kind]:,}" for kind in kinds) + ".", "",
+        "## Runs", "",
+        "| architecture | lr | seeds run | learned | steps (per seed) | steps/s | "
+        f"{two}-needle acc at 1x | mean over N at 1x | at 2x | at 4x | first query, mean over N at 1x |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind in kinds:
+        runs = by_kind[kind]
+        if not runs:
+            lines.append(f"| {DESCRIPTIONS.get(kind, kind)} | {learning_rates[kind]:g} | none | - | - | - | - | - | - | - | - |")
+            continue
+        mean_over_n = {f: [float(np.mean(list(r["accuracy"][str(f)].values()))) for r in runs] for f in factors}
+        first = [float(np.mean(list(r["first_query_accuracy"]["1"].values()))) for r in runs]
+        lines.append(
+            f"| {DESCRIPTIONS.get(kind, kind)} | {learning_rates[kind]:g} | {', '.join(str(r['seed']) for r in runs)} | "
+            f"{sum(learned(r, settings) for r in runs)}/{len(runs)} "
+            f"({', '.join(str(r['seed']) for r in runs if learned(r, settings)) or 'none'}) | "
+            f"{', '.join(str(r['steps']) for r in runs)} | {np.mean([r['steps_per_second'] for r in runs]):.1f} | "
+            f"{ci([r['accuracy']['1'][str(two)] for r in runs])} | "
+            + " | ".join(ci(mean_over_n[f]) for f in factors) + f" | {ci(first)} |"
+        )
+    lines += ["", "## Table 4 format (every query; mean over the seeds run)", "",
+              "| architecture | " + " | ".join(f"N={n} {f}x" for f in factors for n in counts) + " |",
+              "| --- | " + " | ".join("---" for _ in factors for _ in counts) + " |"]
+    for kind in kinds:
+        runs = by_kind[kind]
+        if runs:
+            lines.append(f"| {kind} | " + " | ".join(
+                f"{np.mean([r['accuracy'][str(f)][str(n)] for r in runs]):.3f}" for f in factors for n in counts) + " |")
+    lines += ["", "## Verdicts (decision rule: paired bootstrap over seeds; only where both ran every seed and "
+              "learned on at least 4 of 5)", ""]
+    for a, b in PAIRS:
+        if a not in kinds or b not in kinds:
+            continue
+        ra, rb = by_kind[a], by_kind[b]
+        seeds_a, seeds_b = [r["seed"] for r in ra], [r["seed"] for r in rb]
+        complete = seeds_a == seeds_b == list(settings.seeds)
+        if not complete:
+            lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs "
+                         f"{list(settings.seeds)}).")
+            continue
+        learned_a, learned_b = sum(learned(r, settings) for r in ra), sum(learned(r, settings) for r in rb)
+        if min(learned_a, learned_b) < 4:
+            lines.append(f"- {a} vs {b}: no verdict (learned {learned_a}/5 vs {learned_b}/5: not where both learn).")
+            continue
+        parts = []
+        for name, factor, field in (("mean over N at 1x", 1, "accuracy"), ("at 4x", max(factors), "accuracy"),
+                                    ("first query at 1x", 1, "first_query_accuracy")):
+            va = [float(np.mean(list(r[field][str(factor)].values()))) for r in ra]
+            vb = [float(np.mean(list(r[field][str(factor)].values()))) for r in rb]
+            verdict, difference = beats(va, vb, settings)
+            parts.append(f"{name}: {verdict} {difference_text(difference)}")
+        lines.append(f"- {a} beats {b}? " + "; ".join(parts) + ".")
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=64, choices=(64, 128))
+    parser.add_argument("--kinds", nargs="+", default=list(COMPARISON))
+    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", action="store_true", help="sweep the learning rate per kind first (hidden 128)")
+    parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--rate", type=int, metavar="STEPS", help="measure steps/s per kind (one thread) and stop")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    settings = comparison_settings(args.hidden)
+    if args.seeds:
+        settings.seeds = tuple(args.seeds)
+    if args.no_compile:
+        settings.compile = False
+    out = args.out or RESULTS / f"h{args.hidden}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.rate:
+        rates = measure_rates(settings, args.kinds, args.rate)
+        record = {"hidden": args.hidden, "steps": args.rate, "load_average": os.getloadavg(),
+                  "environment": environment(), "rates": rates}
+        (out / "rate.json").write_text(json.dumps(record, indent=1))
+        return
+    journal = out / "jobs.jsonl"
+    done = read_journal(journal)
+
+    def log(message):
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    learning_rates = REGISTERED_LEARNING_RATES.get(args.hidden)
+    if learning_rates is None and (out / "learning_rates.json").exists():  # chosen by an earlier --sweep
+        learning_rates = json.loads((out / "learning_rates.json").read_text())
+    if args.sweep or learning_rates is None:
+        if not args.sweep:
+            parser.error(f"hidden {args.hidden} has no registered learning rates: run with --sweep")
+        if args.sweep:
+            sweep = run_jobs(sweep_jobs(settings, args.kinds), settings, journal, done, log)
+            learning_rates = {}
+            for record in sweep:
+                if record["kind"] not in learning_rates or record["best_validation_loss"] < learning_rates[record["kind"]][1]:
+                    learning_rates[record["kind"]] = (record["lr"], record["best_validation_loss"])
+            learning_rates = {kind: lr for kind, (lr, _) in learning_rates.items()}
+            (out / "learning_rates.json").write_text(json.dumps(learning_rates, indent=1))
+            log(f"chosen learning rates: {learning_rates}")
+    if not args.summary_only:
+        jobs = comparison_jobs(settings, args.kinds, learning_rates)
+        pending = [job for job in jobs if job_id(job) not in done]
+        if args.max_jobs is not None:
+            pending = pending[: args.max_jobs]
+        for job in pending:  # one at a time, in order, each record appended as it finishes
+            run_jobs([job], settings, journal, done, log)
+    parameters = parameter_counts(settings, args.kinds)
+    print(write_summary(read_journal(journal), settings, args.kinds, learning_rates, out, parameters))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
