@@ -48,6 +48,18 @@ def tiny_config(**overrides) -> DintConfig:
     return DintConfig(**fields)
 
 
+def diffllama_config_like(config, **overrides):
+    """transformers' `DiffLlamaConfig` with the head layout and sizes of the DINT `config` (v1)."""
+    from transformers import DiffLlamaConfig
+
+    fields = {name: getattr(config, name) for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "pad_token_id", "bos_token_id",
+        "eos_token_id",
+    )}
+    return DiffLlamaConfig(**{**fields, **overrides})
+
+
 def tiny_model(attn_implementation: str = "sdpa", dtype=torch.float32, seed: int = 0, **overrides) -> DintForCausalLM:
     """A tiny DINT LM in eval mode, the same weights for the same seed and config whatever the attention backend;
     its head-norm weights are perturbed so that the tests see them act."""

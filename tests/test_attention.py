@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 import torch
-from dint_testing import V2, left_padded_batch, tiny_config, tiny_model
-from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+from dint_testing import V2, diffllama_config_like, left_padded_batch, tiny_config, tiny_model
+from transformers import DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
 from modeling_dint.integral_dint import (
@@ -194,17 +194,7 @@ def test_left_padding_invariance(integral, attn_implementation):
 def test_none_mode_reproduces_diffllama():
     config = tiny_config(integral="none")
     model = DintForCausalLM(config).eval()
-    diff_config = DiffLlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        rms_norm_eps=config.rms_norm_eps,
-        lambda_std_dev=0.3,
-        max_position_embeddings=config.max_position_embeddings,
-    )
+    diff_config = diffllama_config_like(config, lambda_std_dev=0.3)
     reference = DiffLlamaForCausalLM(diff_config).eval()
     missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
     assert unexpected == []

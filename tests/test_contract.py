@@ -4,12 +4,11 @@
 import pytest
 import torch
 import torch._dynamo
-from dint_testing import LAYOUTS, V2, cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
+from dint_testing import LAYOUTS, V2, cache_of, diffllama_config_like, left_padded_batch, tiny_config, tiny_model, with_cache
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     CompileConfig,
-    DiffLlamaConfig,
     DiffLlamaForCausalLM,
     StaticCache,
 )
@@ -73,19 +72,7 @@ def test_static_cache_has_the_fixed_length_of_its_keys_and_values():
 def diffllama_like(model):
     """transformers' DiffLlama with the tiny DINT's head layout, eager attention (it returns the maps)."""
     config = model.config
-    reference = DiffLlamaForCausalLM(
-        DiffLlamaConfig(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            pad_token_id=config.pad_token_id,
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-        )
-    ).eval()
+    reference = DiffLlamaForCausalLM(diffllama_config_like(config)).eval()
     reference.config._attn_implementation = "eager"
     return reference
 
