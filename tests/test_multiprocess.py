@@ -82,9 +82,9 @@ def _heldout_loss(model_dir) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_process_training_finishes_learns_saves_and_resumes(tmp_path, strategy):
-    log, state, losses = _launch(strategy, tmp_path / "run")
+@pytest.mark.parametrize("strategy, preset", [("ddp", "tiny"), ("fsdp", "tiny"), ("ddp", "tiny-v2"), ("fsdp", "tiny-v2")])
+def test_two_process_training_finishes_learns_saves_and_resumes(tmp_path, strategy, preset):
+    log, state, losses = _launch(strategy, tmp_path / "run", "--preset", preset)
     assert "world size 2" in log
     if strategy == "fsdp":
         assert "FSDP on 2 CPU processes" in log
@@ -103,7 +103,7 @@ def test_two_process_training_finishes_learns_saves_and_resumes(tmp_path, strate
     # same losses as the uninterrupted run (same data order, optimizer and RNG states restored).
     checkpoint = tmp_path / "run" / f"checkpoint-{SAVE_STEPS}"
     _, resumed_state, resumed_losses = _launch(
-        strategy, tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint)
+        strategy, tmp_path / "resumed", "--preset", preset, "--resume_from_checkpoint", str(checkpoint)
     )
     assert resumed_state["global_step"] == MAX_STEPS
     assert sorted(os.listdir(tmp_path / "resumed")).count(f"checkpoint-{MAX_STEPS}") == 1
