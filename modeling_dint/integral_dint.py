@@ -147,7 +147,9 @@ class DintIntegralLayout:
         return layout
 
     @classmethod
-    def for_packed_requests(cls, position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor) -> "DintIntegralLayout":
+    def for_packed_requests(
+        cls, position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor, request_rows: tuple | None = None
+    ) -> "DintIntegralLayout":
         """The layout of requests packed into one row, as continuous batching (transformers' and vLLM's) runs them:
         each request is one document of valid rows whose position ids continue its own past (its count of rows is its
         position + 1), and a request whose first row is past position 0 continues the sums of its earlier steps, which
@@ -156,8 +158,10 @@ class DintIntegralLayout:
         Args:
             position_ids (`torch.Tensor` of shape `[1, T]` or `[T]`): each row's position in its request.
             cu_seq_lens_q (`torch.Tensor` of shape `[R + 1]`): where each of the R requests starts in the row.
+            request_rows (`tuple`, *optional*): `packed_request_rows(position_ids, cu_seq_lens_q)`, where the caller
+                has it already.
         """
-        positions, row_request, request_start = packed_request_rows(position_ids, cu_seq_lens_q)
+        positions, row_request, request_start = request_rows or packed_request_rows(position_ids, cu_seq_lens_q)
         continues_past = positions[request_start] > 0
         running_query_count = (positions + 1).float()[None]
         return cls(

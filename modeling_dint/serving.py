@@ -146,9 +146,9 @@ class DintPagedStep:
         self.allocator = allocator = paged_cache.dint_allocator
         # What `PagedAttentionCache.update` reads (it resolves the group's entries in a copy, per layer)
         self.cache_kwargs = {name: kwargs[name] for name in ("read_index", "write_index", "cu_seq_lens_k", "max_length_k")}
-        self.layout = DintIntegralLayout.for_packed_requests(position_ids, kwargs["cu_seq_lens_q"])
-
-        positions, row_request, request_start = packed_request_rows(position_ids, kwargs["cu_seq_lens_q"])
+        request_rows = packed_request_rows(position_ids, kwargs["cu_seq_lens_q"])
+        self.layout = DintIntegralLayout.for_packed_requests(position_ids, kwargs["cu_seq_lens_q"], request_rows)
+        positions, row_request, request_start = request_rows
         num_rows, device = positions.shape[0], positions.device
         cu_seq_lens_q = kwargs["cu_seq_lens_q"].long().to(device)
 

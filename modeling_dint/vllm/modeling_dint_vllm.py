@@ -160,8 +160,9 @@ def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: tor
     prepared = getattr(attn_metadata, "_dint_step", None)
     if prepared is None:
         cu_seq_lens_q = attn_metadata.query_start_loc
-        layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q)
-        _, row_request, _ = packed_request_rows(positions, cu_seq_lens_q)
+        request_rows = packed_request_rows(positions, cu_seq_lens_q)
+        layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, request_rows)
+        row_request = request_rows[1]
         prepared = attn_metadata._dint_step = (layout, row_request, cu_seq_lens_q[1:].long() - 1)
     layout, row_request, last_rows = prepared
     slots = attn_metadata.state_indices_tensor[: last_rows.shape[0]]
