@@ -28,6 +28,7 @@ REMOTE_CODE_FILES = (
     "modeling_dint.py",
     "cache_dint.py",
     "integral_dint.py",
+    "integral_cpu_kernel.py",
     "transformers_compat.py",
 )
 """The modeling code `save_pretrained` copies beside the weights: the configuration and modeling modules and the

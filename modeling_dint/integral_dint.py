@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .cache_dint import COLUMN_SUMS, QUERY_COUNT, SIGNAL_SUM, DintDynamicLayer, DintIntegralStateMixin, DintStaticLayer
+from .integral_cpu_kernel import DOCUMENT_START, KERNEL_DTYPES, ROW_VALID, integral_kernel
 from .transformers_compat import HAS_GET_RECURRENT_STATE, build_dint_cache_layers, get_recurrent_state
 
 
@@ -107,6 +108,26 @@ class DintIntegralLayout:
     carry_kept: torch.Tensor | bool = True
     running_query_count: torch.Tensor | None = None
     inverse_query_count: torch.Tensor | None = None
+    kernel_row_flags: torch.Tensor | None = None
+
+    def row_flags(self, batch_size: int, query_length: int, device: torch.device) -> torch.Tensor:
+        """The CPU kernel's flags per row, `[B, T]` uint8 (`integral_cpu_kernel.ROW_VALID | DOCUMENT_START`): the rows
+        that count, and the rows where the running sum restarts before adding (a document's first row; row 0 where the
+        cache's sums do not carry). Computed on the first layer's call, then kept for the others."""
+        if self.kernel_row_flags is None:
+            if self.restart_row is not None:
+                row_index = torch.arange(query_length, device=device)
+                starts = (self.restart_row == row_index) & ~self.in_carried_document
+            else:
+                starts = torch.zeros(batch_size, query_length, dtype=torch.bool, device=device)
+                if isinstance(self.carry_kept, torch.Tensor):
+                    starts[:, 0] = ~self.carry_kept.to(device)
+                else:
+                    starts[:, 0] = not self.carry_kept
+            valid = torch.ones_like(starts) if self.query_valid is None else self.query_valid.to(torch.bool)
+            flags = valid.to(torch.uint8) * ROW_VALID + starts.to(torch.uint8) * DOCUMENT_START
+            self.kernel_row_flags = flags
+        return self.kernel_row_flags
 
     @classmethod
     def build(
@@ -244,6 +265,13 @@ def _lower_triangle(size: int, device: torch.device) -> torch.Tensor:
 
 
 def _blocked_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_autocast_enabled(rows.device.type):  # the sums stay fp32 under a caller's autocast (a Trainer's bf16)
+        with torch.autocast(rows.device.type, enabled=False):
+            return _blocked_running_sum_fp32(rows, restart_row)
+    return _blocked_running_sum_fp32(rows, restart_row)
+
+
+def _blocked_running_sum_fp32(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
     """Inclusive running sum of `rows` `[B, T, ...]` over dimension 1, restarting at each row's `restart_row`, in fp32,
     as matrix multiplies: within each block of `SCAN_BLOCK_ROWS` rows a lower-triangular matrix (masked where a document
     restarts inside the block) sums the block's rows; the sum at each block's last row, over the blocks before, is the
@@ -287,7 +315,7 @@ def _blocked_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -
     else:
         block_ends = within_blocks[:, :, -1]  # [B, num_blocks, C]: each block's last row, summed inside its block
         block_restart = None if restart_row is None else restart_row[:, block - 1 :: block] // block
-        previous_ends = nn.functional.pad(_blocked_running_sum(block_ends, block_restart)[:, :-1], (0, 0, 1, 0))
+        previous_ends = nn.functional.pad(_blocked_running_sum_fp32(block_ends, block_restart)[:, :-1], (0, 0, 1, 0))
         previous_ends = previous_ends.unsqueeze(2)  # [B, num_blocks, 1, C]: at the previous block's last row, 0 for block 0
         if restart_row is None:
             running = within_blocks + previous_ends
@@ -503,6 +531,17 @@ def forward_integral_layout(
     return layout
 
 
+def records_running_rows(cache, layer_idx: int) -> bool:
+    """Whether `cache.update_recurrent_state` keeps the state after every new row, not only the last: a DINT cache
+    layer recording its past for `crop` (assisted decoding), or a cache of DINT's own steps (`is_dint_cache`)."""
+    if getattr(cache, "is_dint_cache", False):
+        return True
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return True
+    return bool(getattr(layers[layer_idx], "record_past", False))
+
+
 def carried_state(cache, layer_idx: int, state_idx: int) -> torch.Tensor | None:
     """`cache.get_recurrent_state(layer_idx, state_idx)` (transformers' Cache from 5.23, and DINT's serving steps);
     before 5.23, `transformers_compat.get_recurrent_state`."""
@@ -532,20 +571,27 @@ class DintIntegral:
         lambda_: torch.Tensor,
         layout: DintIntegralLayout | None,
         cache=None,
+        head_norm: nn.Module | None = None,
     ) -> torch.Tensor:
-        """The fast path: `O1 - lambda * O2 + lambda * running_mean(O1)`.
+        """The fast path: `head_norm(O1 - lambda * O2 + lambda * running_mean(O1))`.
 
         Args:
             signal_output, noise_output (`[B, T, heads, C]`): O1 and O2, in the model's dtype.
             lambda_ (`torch.Tensor`, fp32): a scalar, or `[B, T, heads, 1]`.
             layout (`DintIntegralLayout`): the forward's layout (None for integral "none").
             cache: the cache this forward continues, or None.
+            head_norm (`nn.Module`, *optional*): the attention's head norm (`DintHeadRMSNorm`, or `nn.Identity`).
 
         Returns:
-            `[B, T, heads, C]`: fp32 (the model's dtype times lambda for integral "none").
+            `[B, T, heads, C]`: with `head_norm`, the normalized combination in O1's dtype; without, the combination in
+            fp32 (the model's dtype for integral "none"), for a caller that normalizes it itself (vLLM's op).
         """
         if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
-            return signal_output - lambda_ * noise_output
+            combined = signal_output - lambda_ * noise_output
+            return combined if head_norm is None else head_norm(combined).to(signal_output.dtype)
+        if head_norm is not None and self._takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
+            return self._cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm)
+        output_dtype = signal_output.dtype
         # The sums and the combination are fp32: both outputs cast once here (a no-op in fp32). An op with bf16 and fp32
         # operands casts its bf16 ones in copies of its own (issue 31: three copies, 1.12 -> 1.07 of DiffLlama's time).
         signal_output, noise_output = signal_output.float(), noise_output.float()
@@ -555,9 +601,61 @@ class DintIntegral:
             cache.update_recurrent_state(
                 running_signal_sum[:, -1], self.layer_idx, state_idx=SIGNAL_SUM, running_rows=running_signal_sum
             )
-        return combine_with_integral(
+        combined = combine_with_integral(
             signal_output, noise_output, lambda_, running_signal_sum, layout.inverse_query_count
         )
+        return combined if head_norm is None else head_norm(combined).to(output_dtype)
+
+    def _takes_cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
+        """Whether `integral_cpu_kernel` computes this call: on CPU, fp32 or bf16, no gradient wanted, eager (not
+        compiling or exporting), the head norm torch's RMSNorm over the channels (or none), and nobody needing the
+        running sum of every row (the cache's state after the last row is all it stores)."""
+        if (
+            signal_output.device.type != "cpu"
+            or signal_output.dtype not in KERNEL_DTYPES
+            or noise_output.dtype != signal_output.dtype
+            or type(signal_output) is not torch.Tensor
+            or layout.carry_per_row
+            or torch.compiler.is_compiling()
+        ):
+            return False
+        weight = getattr(head_norm, "weight", None)
+        if weight is not None and weight.device.type != "cpu":  # e.g. offloaded (meta) until its module's hook runs
+            return False
+        if torch.is_grad_enabled() and any(
+            tensor is not None and tensor.requires_grad for tensor in (signal_output, noise_output, lambda_, weight)
+        ):
+            return False
+        if not isinstance(head_norm, nn.Identity) and not (
+            isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
+        ):
+            return False
+        if cache is not None and records_running_rows(cache, self.layer_idx):
+            return False
+        return integral_kernel() is not None
+
+    def _cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> torch.Tensor:
+        """`integral_cpu_kernel`'s one pass: the normalized combination in O1's dtype; stores the sum after the last
+        row in the cache."""
+        batch_size, query_length, heads = signal_output.shape[:3]
+        lambda_rows = lambda_.reshape(1, 1, 1) if lambda_.dim() == 0 else lambda_[..., 0]
+        carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        normalize = isinstance(head_norm, nn.RMSNorm)
+        eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
+        output, last_signal_sum = integral_kernel()(
+            signal_output,
+            noise_output,
+            lambda_rows.expand(batch_size, query_length, heads),
+            layout.inverse_query_count[:, :, 0, 0].expand(batch_size, query_length),
+            layout.row_flags(batch_size, query_length, signal_output.device),
+            carry,
+            head_norm.weight if normalize else None,
+            normalize,
+            eps,
+        )
+        if cache is not None:
+            cache.update_recurrent_state(last_signal_sum, self.layer_idx, state_idx=SIGNAL_SUM)
+        return output
 
     def maps(
         self,

@@ -45,9 +45,10 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-# The cache layers, imported here although the integral uses them: transformers 5.5 copies only the direct relative
-# imports of the modeling file into a remote-code module, and the layers must register their layer type at load.
+# The cache layers and the CPU kernel, imported here although the integral uses them: transformers 5.5 copies only the
+# direct relative imports of the modeling file into a remote-code module (and the layers must register at load).
 from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401
+from .integral_cpu_kernel import integral_kernel  # noqa: F401
 from .configuration_dint import (
     DINT_LAYER_TYPE,
     MATERIALIZING,
@@ -176,18 +177,19 @@ class DintAttention(nn.Module):
             final_weights = self.integral.maps(
                 signal_weights, noise_weights, lambda_, integral_layout, attention_mask, cache
             )
-            attn_output = torch.matmul(final_weights, head_values.float()).transpose(1, 2)  # [B, T, H/2, C]
+            attn_output = torch.matmul(final_weights, head_values.float()).transpose(1, 2)  # [B, T, H/2, C], fp32
+            # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype.
+            attn_output = self.head_norm(attn_output).to(value_states.dtype)
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation, None)
             signal_output, noise_output = self.differential_outputs(
                 attention_interface, path == ONE_PASS, query_states, key_states, value_states, attention_mask,
                 **kwargs,
             )
-            attn_output = self.integral(signal_output, noise_output, lambda_, integral_layout, cache)
+            # The same there: the combination in fp32, normalized, back in the model's dtype (one pass on CPU).
+            attn_output = self.integral(signal_output, noise_output, lambda_, integral_layout, cache, self.head_norm)
             attn_weights = None
 
-        # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype again.
-        attn_output = self.head_norm(attn_output).to(value_states.dtype)  # a no-op where the dtype is the same
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights

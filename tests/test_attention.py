@@ -340,6 +340,25 @@ def test_blocked_running_sum_matches_the_cumulative_sum_and_its_gradient(dtype, 
         torch.backends.mkldnn.matmul.fp32_precision = precision
 
 
+def test_running_sums_stay_fp32_under_cpu_autocast():
+    """A Trainer's bf16 autocast on CPU lowers matrix multiplies to bf16: the blocked running sum (a matrix multiply)
+    and the counts it gives the layout must stay fp32 and equal to the sums outside autocast."""
+    rows = torch.randn(2, 300, 2, 5, generator=torch.Generator().manual_seed(0))
+    document_start = torch.zeros(2, 300, dtype=torch.bool)
+    document_start[1, 100] = True
+
+    def sums():
+        layout = DintIntegralLayout.build(None, document_start, None, 2, 300, rows.device)
+        return layout.running_query_count, segmented_running_sum(rows, layout)
+
+    expected = sums()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        actual = sums()
+    for got, want in zip(actual, expected):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_a_model_trains_after_running_under_inference_mode():
     """The blocked running sum's cached lower-triangular matrix, first built under `torch.inference_mode()` (a
     pipeline, a server), must not be an inference tensor, which a training step could not save for backward."""

@@ -1,0 +1,193 @@
+"""The fused CPU integral kernel (`modeling_dint/integral_cpu_kernel.py`) against the eager ops it replaces: the same
+outputs and the same carried state, for every layout of rows (padding, documents, a carried cache), both head layouts,
+each head norm, fp32 and bf16; taken only where it may be (no gradient wanted, eager, no per-row state wanted); and
+the eager ops when it cannot be built."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+import modeling_dint.integral_cpu_kernel as kernel_module
+from dint_testing import LAYOUTS, cache_of, tiny_model, with_cache
+from modeling_dint.cache_dint import SIGNAL_SUM
+from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout, carried_state, document_starts
+
+
+HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
+
+
+@pytest.fixture
+def eager_integral(monkeypatch):
+    """A context in which the integral runs as eager torch ops (the kernel counts as not built)."""
+
+    class Eager:
+        def __enter__(self):
+            self.saved = dict(kernel_module._state)
+            kernel_module._state.update(tried=True, op=None)
+
+        def __exit__(self, *exc):
+            kernel_module._state.update(self.saved)
+
+    return Eager()
+
+
+def kernel_calls(monkeypatch) -> list:
+    """Counts the calls of the built kernel (fails the test where it was not built)."""
+    op = kernel_module.integral_kernel()
+    assert op is not None, "the fused CPU integral kernel was not built on a machine with a C++ compiler and ninja"
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return op(*args)
+
+    monkeypatch.setitem(kernel_module._state, "op", counted)
+    return calls
+
+
+requires_toolchain = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja: the kernel cannot build")
+
+
+@requires_toolchain
+def test_the_kernel_builds_on_a_machine_with_a_compiler():
+    assert kernel_module.integral_kernel() is torch.ops.dint_cpu.integral_forward
+    assert kernel_module.extension_name().startswith("dint_cpu_integral_")
+
+
+@requires_toolchain
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row_lambda", [False, True])
+@pytest.mark.parametrize("head_norm", ["affine", "no weight", "none"])
+@pytest.mark.parametrize("rows", ["plain", "padding and documents", "row 0 restarts in some rows"])
+def test_kernel_matches_the_eager_integral(dtype, per_row_lambda, head_norm, rows, eager_integral, monkeypatch):
+    """`DintIntegral` with the kernel against the eager ops, from a carried state: output and stored state. The
+    signal and noise outputs are strided views (the two halves of one attention output), as the attention gives them."""
+    generator = torch.Generator().manual_seed(7)
+    batch_size, length, heads, channels = 3, 37, 2, 16
+    attention_output = torch.randn(batch_size, length, 2 * heads, channels, generator=generator).to(dtype)
+    signal_output, noise_output = attention_output.chunk(2, dim=2)
+    lambda_ = (
+        torch.rand(batch_size, length, heads, 1, generator=generator) if per_row_lambda else torch.tensor(0.37)
+    )
+    query_valid, position_ids, carry_kept = None, None, True
+    if rows == "padding and documents":
+        query_valid = torch.rand(batch_size, length, generator=generator) > 0.25
+        position_ids = torch.arange(length).repeat(batch_size, 1) + 5
+        position_ids[1, 10:] -= 15  # a document starts at row 10 of batch row 1
+        position_ids[2, 20:] -= 25
+    elif rows == "row 0 restarts in some rows":
+        carry_kept = torch.tensor([True, False, True])
+    document_start = document_starts(query_valid, position_ids, batch_size, length)
+    past_count = torch.tensor([3.0, 1.0, 4.0])
+    layout = DintIntegralLayout.build(query_valid, document_start, past_count, batch_size, length, "cpu", carry_kept)
+    norm = {
+        "affine": nn.RMSNorm(channels, eps=1e-5),
+        "no weight": nn.RMSNorm(channels, eps=1e-5, elementwise_affine=False),
+        "none": nn.Identity(),
+    }[head_norm]
+    if head_norm == "affine":
+        nn.init.uniform_(norm.weight, 0.5, 1.5)
+    cache = DynamicCache(config=tiny_model().config)
+    cache.update_recurrent_state(torch.randn(batch_size, heads, channels, generator=generator), 0, state_idx=SIGNAL_SUM)
+    integral = DintIntegral("mean", layer_idx=0)
+
+    with torch.no_grad():
+        with eager_integral:
+            eager_cache = copy.deepcopy(cache)
+            expected = integral(signal_output, noise_output, lambda_, layout, eager_cache, norm)
+        calls = kernel_calls(monkeypatch)
+        actual = integral(signal_output, noise_output, lambda_, layout, cache, norm)
+
+    assert len(calls) == 1
+    assert actual.dtype == dtype and actual.shape == expected.shape and actual.is_contiguous()
+    state, eager_state = carried_state(cache, 0, SIGNAL_SUM), carried_state(eager_cache, 0, SIGNAL_SUM)
+    torch.testing.assert_close(state, eager_state, atol=1e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    else:  # both round one fp32 value to bf16: at most one unit in the last place apart
+        torch.testing.assert_close(actual.float(), expected.float(), atol=0.0, rtol=2**-7)
+
+
+@requires_toolchain
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_gives_the_eager_tokens_and_logits(layout, dtype, eager_integral, monkeypatch):
+    """A left-padded batch through prefill, a chunk continuing the cache and greedy generate(): the kernel gives the
+    eager integral's logits (fp32 tightly; bf16 within its rounding) and tokens."""
+    model = tiny_model(dtype=dtype, **layout)
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 128, (2, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :4] = 0
+
+    def run():
+        with torch.no_grad():
+            prefill = model(input_ids[:, :8], attention_mask=attention_mask[:, :8], use_cache=True)
+            chunk = model(input_ids[:, 8:], attention_mask=attention_mask, **with_cache(cache_of(prefill)))
+            generated = model.generate(
+                input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        return prefill.logits.float(), chunk.logits.float(), generated
+
+    with eager_integral:
+        expected = run()
+    calls = kernel_calls(monkeypatch)
+    actual = run()
+    assert len(calls) >= 2 * model.config.num_hidden_layers
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    torch.testing.assert_close(actual[0], expected[0], **tolerance)
+    torch.testing.assert_close(actual[1], expected[1], **tolerance)
+    if dtype == torch.float32:
+        assert torch.equal(actual[2], expected[2])
+
+
+@requires_toolchain
+def test_kernel_is_not_taken_where_it_may_not_be(monkeypatch):
+    """Training (a gradient wanted), a cache recording every row for assisted decoding's crop, and a head norm the
+    kernel does not know run the eager ops."""
+    model = tiny_model(integral="mean")
+    input_ids = torch.randint(3, 128, (1, 10))
+    calls = kernel_calls(monkeypatch)
+
+    model.train()
+    model(input_ids, labels=input_ids).loss.backward()
+    assert calls == []
+
+    model.eval()
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        layer.activate_past_recording() if hasattr(layer, "activate_past_recording") else None
+    with torch.no_grad():
+        model(input_ids, **with_cache(cache))
+    assert calls == []
+
+    attention = model.model.layers[0].self_attn
+    monkeypatch.setattr(attention, "head_norm", nn.LayerNorm(attention.head_norm.normalized_shape))
+    with torch.no_grad():
+        model(input_ids)
+    assert len(calls) == model.config.num_hidden_layers - 1  # layer 0 took the eager ops
+
+
+def test_without_a_toolchain_it_warns_once_and_the_eager_ops_run(monkeypatch, caplog, eager_integral):
+    """A failed build (here: no compiler) warns with the reason and returns None; the model then runs the eager ops."""
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert kernel_module._compile() is None
+    assert "could not be built (RuntimeError: c++: command not found)" in caplog.text
+    with eager_integral, torch.no_grad():
+        assert torch.isfinite(tiny_model()(torch.randint(3, 128, (1, 6))).logits).all()
+
+
+def test_dint_cpu_kernel_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("DINT_CPU_KERNEL", "0")
+    monkeypatch.setattr(kernel_module, "_state", {"op": None, "tried": False})
+    assert kernel_module.integral_kernel() is None
