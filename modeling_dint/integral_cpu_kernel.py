@@ -38,6 +38,7 @@ KERNEL_SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -71,7 +72,8 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
   const float inverse_channels = 1.0f / static_cast<float>(channels);
 
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> running(channels), combined(channels);
+    std::vector<float> running(channels), combined(channels), weight(channels, 1.0f);
+    if (weight_data) std::copy(weight_data, weight_data + channels, weight.begin());
     for (int64_t index = begin; index < end; ++index) {
       const int64_t b = index / heads, h = index % heads;
       for (int64_t c = 0; c < channels; ++c) {
@@ -87,7 +89,6 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
           for (int64_t c = 0; c < channels; ++c) running[c] = 0.0f;
         }
         if (flags & ROW_VALID) {
-#pragma omp simd
           for (int64_t c = 0; c < channels; ++c) running[c] += to_float(signal_row[c]);
         }
         float square_sum = 0.0f;
@@ -102,13 +103,8 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
         scalar_t* output_row = output_data + ((b * rows + t) * heads + h) * channels;
         if (normalize) {
           const float scale = 1.0f / std::sqrt(square_sum * inverse_channels + epsilon);
-#pragma omp simd
-          for (int64_t c = 0; c < channels; ++c) {
-            const float weight = weight_data ? weight_data[c] : 1.0f;
-            output_row[c] = static_cast<scalar_t>(combined[c] * scale * weight);
-          }
+          for (int64_t c = 0; c < channels; ++c) output_row[c] = static_cast<scalar_t>(combined[c] * scale * weight[c]);
         } else {
-#pragma omp simd
           for (int64_t c = 0; c < channels; ++c) output_row[c] = static_cast<scalar_t>(combined[c]);
         }
       }
