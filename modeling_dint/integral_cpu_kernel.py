@@ -1,22 +1,25 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""The fast path's integral as one pass over the rows, on CPU, where autograd is off (generate, evaluation, serving).
+"""The fast path's integral as one pass over the rows, on CPU, where autograd is off (generate, evaluation).
 
 Eager torch computes `out = head_norm(O1 - lambda * (O2 - S / c))` with `S` the running sum of O1 in about eight passes
 over `[B, T, H/2, C]`, in fp32 (the casts of O1 and O2, the running sum, two multiply-adds, the head norm's passes
-and the cast back): on a 2-core Xeon at the SmolLM2-135M shape (2048 rows, 9 heads of 128 channels) 9-18 ms per layer
-against 8.6 ms for DiffLlama's combination and group norm. `integral_forward`, a small C++ op compiled on first use
-(`torch.utils.cpp_extension.load_inline`, cached per machine), reads O1 and O2 once in the model's dtype and writes
-the output once: per (batch row, head), a loop over the rows keeps the running sum of each channel in fp32, restarts
-it where a document starts, skips padding rows, and normalizes each row (2.6 ms there, bf16 or fp32;
-`bench/micro_integral.py`). It returns the sum after the last row, what the cache carries.
+and the cast back): more than DiffLlama's combination and group norm take. `integral_forward`, a small C++ op compiled
+on first use (`torch.utils.cpp_extension.load_inline`, cached per machine), reads O1 and O2 once in the model's dtype
+and writes the output once: per (batch row, head), a loop over the rows keeps the running sum of each channel in fp32,
+restarts it where a document starts, skips padding rows, and normalizes each row. It returns the sum after the last
+row, what the cache carries. Its time against the eager ops and DiffLlama's tail: `bench/micro_integral.py`,
+`bench/results/micro_integral_cpu.md`.
 
 The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 when no gradient is needed, outside
-torch.compile and export, and where nobody needs the running sum of every row (a cache recording its past for
-`crop`, or the packed requests of continuous batching and vLLM, which store per-request rows); everywhere else the
-eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`). Without a C++ compiler and ninja
-it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is cached in torch's extensions folder
-(`TORCH_EXTENSIONS_DIR`) under a name that hashes the source, the torch release and the CPU's model and flags (it is
-compiled with `-march=native`), so a shared home folder never hands one CPU another's build.
+torch.compile and export, where the head norm has no hooks, and where nobody needs the running sum of every row (a
+cache recording its past for `crop`, or the packed requests of continuous batching and vLLM, which store per-request
+rows); everywhere else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`).
+Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is
+cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
+hashes the source, the torch release and the CPU (it is compiled with `-march=native`), so a shared home folder never
+hands one CPU another's build; the op's namespace hashes the source, so two versions of this file (the package and a
+checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
+later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
@@ -25,6 +28,7 @@ import hashlib
 import os
 import platform
 import threading
+import time
 
 import torch
 from transformers.utils import logging
@@ -32,7 +36,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-KERNEL_SOURCE = r"""
+KERNEL_TEMPLATE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -48,8 +52,8 @@ inline float to_float(float value) { return value; }
 inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
 
 // ROW_VALID: the row counts in the running sum; DOCUMENT_START: the sum restarts at 0 before this row.
-constexpr uint8_t ROW_VALID = 1;
-constexpr uint8_t DOCUMENT_START = 2;
+constexpr uint8_t ROW_VALID = @ROW_VALID@;
+constexpr uint8_t DOCUMENT_START = @DOCUMENT_START@;
 
 template <typename scalar_t>
 void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::Tensor& lambda_,
@@ -148,17 +152,25 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(dint_cpu, m) {
+TORCH_LIBRARY(@NAMESPACE@, m) {
   m.def(
       "integral_forward(Tensor signal, Tensor noise, Tensor lambda_, Tensor inverse_count, Tensor row_flags, "
       "Tensor? carry, Tensor? norm_weight, bool normalize, float eps) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(dint_cpu, CPU, m) { m.impl("integral_forward", &integral_forward); }
+TORCH_LIBRARY_IMPL(@NAMESPACE@, CPU, m) { m.impl("integral_forward", &integral_forward); }
 """
 
 ROW_VALID, DOCUMENT_START = 1, 2
-"""The bits of the kernel's per-row flags (`DintIntegralLayout.kernel_row_flags`)."""
+"""The bits of the kernel's per-row flags (`DintIntegralLayout.row_flags`), written into the source below."""
+
+_SOURCE_BODY = KERNEL_TEMPLATE.replace("@ROW_VALID@", str(ROW_VALID)).replace("@DOCUMENT_START@", str(DOCUMENT_START))
+NAMESPACE = "dint_cpu_" + hashlib.sha256(_SOURCE_BODY.encode()).hexdigest()[:12]
+"""The op's namespace, `torch.ops.<NAMESPACE>.integral_forward`: one per version of the source."""
+KERNEL_SOURCE = _SOURCE_BODY.replace("@NAMESPACE@", NAMESPACE)
+
+STALE_LOCK_SECONDS = 600
+"""A build lock older than this (a build takes about a minute) was left by a killed build."""
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -172,11 +184,15 @@ def kernel_enabled() -> bool:
 
 
 def _cpu_signature() -> str:
-    """The CPU's model name and instruction-set flags (Linux), or what `platform` knows elsewhere."""
+    """What the CPU is and which instructions it has: /proc/cpuinfo's lines that describe the CPU (x86's model name and
+    flags, Arm's implementer, part and features, ...), without the ones that change while it runs or number the cores;
+    what `platform` knows elsewhere."""
+    varying = ("cpu MHz", "bogomips", "BogoMIPS", "processor", "core id", "apicid", "initial apicid", "physical id",
+               "siblings", "cpu cores")
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+            lines = {line.strip() for line in cpuinfo if line.strip() and not line.startswith(varying)}
+        return "\n".join(sorted(lines))
     except OSError:
         return f"{platform.machine()} {platform.processor()}"
 
@@ -188,7 +204,7 @@ def extension_name() -> str:
 
 
 def integral_kernel():
-    """`torch.ops.dint_cpu.integral_forward`, built (or loaded from the cache) on the first call of the process, or
+    """`torch.ops.<NAMESPACE>.integral_forward`, built (or loaded from the cache) on the first call of the process, or
     None where it is turned off or cannot be built (warned once)."""
     if _state["tried"]:
         return _state["op"]
@@ -202,9 +218,26 @@ def integral_kernel():
 
 
 def _build():
-    if hasattr(torch.ops.dint_cpu, "integral_forward"):  # registered earlier in this process
-        return torch.ops.dint_cpu.integral_forward
+    if hasattr(getattr(torch.ops, NAMESPACE), "integral_forward"):  # registered earlier in this process
+        return getattr(torch.ops, NAMESPACE).integral_forward
     return _compile()
+
+
+def _remove_stale_lock(name: str) -> None:
+    """Removes torch's build lock of `name` where a killed build left it (older than `STALE_LOCK_SECONDS`)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    lock = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning(f"DINT: removing {lock}, left {age:.0f} s ago by a build of the CPU integral kernel that stopped")
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
 
 
 def _compile():
@@ -212,9 +245,11 @@ def _compile():
     try:
         from torch.utils.cpp_extension import load_inline
 
+        name = extension_name()
+        _remove_stale_lock(name)
         logger.info("DINT: building the fused CPU integral kernel (once per machine; DINT_CPU_KERNEL=0 skips it)")
         load_inline(
-            extension_name(),
+            name,
             cpp_sources=[KERNEL_SOURCE],
             is_python_module=False,
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -228,4 +263,4 @@ def _compile():
             "DINT_CPU_KERNEL=0 silences this."
         )
         return None
-    return torch.ops.dint_cpu.integral_forward
+    return getattr(torch.ops, NAMESPACE).integral_forward

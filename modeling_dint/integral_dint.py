@@ -99,6 +99,8 @@ class DintIntegralLayout:
             document, the cache's count included.
         inverse_query_count (`torch.Tensor` of shape `[B, T, 1, 1]`, fp32, broadcastable against the fast path's
             `[B, T, H/2, 2d]`): `1 / max(c_n, 1)` (a document with no valid row yet has G = 0).
+        kernel_row_flags (`torch.Tensor` of shape `[B, T]`, uint8, or None until `row_flags` builds it): the CPU
+            kernel's per-row flags, built by the first layer that needs them and kept for the others.
     """
 
     query_valid: torch.Tensor | None = None
@@ -606,18 +608,36 @@ class DintIntegral:
         )
         return combined if head_norm is None else head_norm(combined).to(output_dtype)
 
-    def _takes_cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
-        """Whether `integral_cpu_kernel` computes this call: on CPU, fp32 or bf16, no gradient wanted, eager (not
-        compiling or exporting), the head norm torch's RMSNorm over the channels (or none), and nobody needing the
-        running sum of every row (the cache's state after the last row is all it stores)."""
+    def _takes_cpu_kernel(
+        self,
+        signal_output: torch.Tensor,
+        noise_output: torch.Tensor,
+        lambda_: torch.Tensor,
+        layout: DintIntegralLayout,
+        cache,
+        head_norm: nn.Module,
+    ) -> bool:
+        """Whether `integral_cpu_kernel` computes this call (arguments as `__call__`'s): on CPU, fp32 or bf16 outputs
+        with contiguous channels and an fp32 lambda, no gradient wanted, eager (not compiling or exporting), the head
+        norm torch's RMSNorm over the channels (or none) with no hooks to run, and nobody needing the running sum of
+        every row (the cache's state after the last row is all it stores)."""
         if (
             signal_output.device.type != "cpu"
             or signal_output.dtype not in KERNEL_DTYPES
             or noise_output.dtype != signal_output.dtype
             or type(signal_output) is not torch.Tensor
+            or signal_output.stride(-1) != 1
+            or noise_output.stride(-1) != 1
+            or lambda_.dtype != torch.float32
             or layout.carry_per_row
             or torch.compiler.is_compiling()
         ):
+            return False
+        if not isinstance(head_norm, nn.Identity) and not (
+            isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
+        ):
+            return False
+        if head_norm._forward_hooks or head_norm._forward_pre_hooks:  # the kernel does not call the module
             return False
         weight = getattr(head_norm, "weight", None)
         if weight is not None and weight.device.type != "cpu":  # e.g. offloaded (meta) until its module's hook runs
@@ -626,20 +646,26 @@ class DintIntegral:
             tensor is not None and tensor.requires_grad for tensor in (signal_output, noise_output, lambda_, weight)
         ):
             return False
-        if not isinstance(head_norm, nn.Identity) and not (
-            isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
-        ):
-            return False
         if cache is not None and records_running_rows(cache, self.layer_idx):
             return False
         return integral_kernel() is not None
 
-    def _cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> torch.Tensor:
-        """`integral_cpu_kernel`'s one pass: the normalized combination in O1's dtype; stores the sum after the last
-        row in the cache."""
-        batch_size, query_length, heads = signal_output.shape[:3]
-        lambda_rows = lambda_.reshape(1, 1, 1) if lambda_.dim() == 0 else lambda_[..., 0]
+    def _cpu_kernel(
+        self,
+        signal_output: torch.Tensor,
+        noise_output: torch.Tensor,
+        lambda_: torch.Tensor,
+        layout: DintIntegralLayout,
+        cache,
+        head_norm: nn.Module,
+    ) -> torch.Tensor:
+        """`integral_cpu_kernel`'s one pass (arguments as `__call__`'s): the normalized combination `[B, T, heads, C]`
+        in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache."""
+        batch_size, query_length, heads, channels = signal_output.shape
+        lambda_rows = lambda_.reshape(1, 1, 1) if lambda_.dim() == 0 else lambda_[..., 0]  # -> [B, T, heads]
         carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        if carry is not None:
+            carry = carry.expand(batch_size, heads, channels)  # a state kept once for the batch broadcasts, as in eager
         normalize = isinstance(head_norm, nn.RMSNorm)
         eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
         output, last_signal_sum = integral_kernel()(

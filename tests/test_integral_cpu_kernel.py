@@ -21,7 +21,7 @@ HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not
 
 
 @pytest.fixture
-def eager_integral(monkeypatch):
+def eager_integral():
     """A context in which the integral runs as eager torch ops (the kernel counts as not built)."""
 
     class Eager:
@@ -54,7 +54,7 @@ requires_toolchain = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compil
 
 @requires_toolchain
 def test_the_kernel_builds_on_a_machine_with_a_compiler():
-    assert kernel_module.integral_kernel() is torch.ops.dint_cpu.integral_forward
+    assert kernel_module.integral_kernel() is getattr(torch.ops, kernel_module.NAMESPACE).integral_forward
     assert kernel_module.extension_name().startswith("dint_cpu_integral_")
 
 
@@ -76,6 +76,8 @@ def test_kernel_matches_the_eager_integral(dtype, per_row_lambda, head_norm, row
     query_valid, position_ids, carry_kept = None, None, True
     if rows == "padding and documents":
         query_valid = torch.rand(batch_size, length, generator=generator) > 0.25
+        padding = ~query_valid[:, :, None, None]
+        signal_output = torch.where(padding, float("nan"), signal_output)  # a padding row may hold anything
         position_ids = torch.arange(length).repeat(batch_size, 1) + 5
         position_ids[1, 10:] -= 15  # a document starts at row 10 of batch row 1
         position_ids[2, 20:] -= 25
@@ -106,10 +108,13 @@ def test_kernel_matches_the_eager_integral(dtype, per_row_lambda, head_norm, row
     assert actual.dtype == dtype and actual.shape == expected.shape and actual.is_contiguous()
     state, eager_state = carried_state(cache, 0, SIGNAL_SUM), carried_state(eager_cache, 0, SIGNAL_SUM)
     torch.testing.assert_close(state, eager_state, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(state).all()
+    valid = slice(None) if query_valid is None else query_valid  # padding rows combine their own (NaN) outputs
+    assert torch.isfinite(actual[valid]).all()
     if dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(actual[valid], expected[valid], atol=1e-5, rtol=1e-5)
     else:  # both round one fp32 value to bf16: at most one unit in the last place apart
-        torch.testing.assert_close(actual.float(), expected.float(), atol=0.0, rtol=2**-7)
+        torch.testing.assert_close(actual[valid].float(), expected[valid].float(), atol=0.0, rtol=2**-7)
 
 
 @requires_toolchain
@@ -138,7 +143,7 @@ def test_generate_gives_the_eager_tokens_and_logits(layout, dtype, eager_integra
     calls = kernel_calls(monkeypatch)
     actual = run()
     assert len(calls) >= 2 * model.config.num_hidden_layers
-    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(actual[0], expected[0], **tolerance)
     torch.testing.assert_close(actual[1], expected[1], **tolerance)
     if dtype == torch.float32:
@@ -166,6 +171,14 @@ def test_kernel_is_not_taken_where_it_may_not_be(monkeypatch):
     assert calls == []
 
     attention = model.model.layers[0].self_attn
+    seen = []
+    handle = attention.head_norm.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    with torch.no_grad():
+        model(input_ids)
+    handle.remove()
+    assert len(seen) == 1 and len(calls) == model.config.num_hidden_layers - 1  # a hooked head norm runs its module
+
+    calls.clear()
     monkeypatch.setattr(attention, "head_norm", nn.LayerNorm(attention.head_norm.normalized_shape))
     with torch.no_grad():
         model(input_ids)
@@ -191,3 +204,24 @@ def test_dint_cpu_kernel_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("DINT_CPU_KERNEL", "0")
     monkeypatch.setattr(kernel_module, "_state", {"op": None, "tried": False})
     assert kernel_module.integral_kernel() is None
+
+
+def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
+    """A build killed midway leaves torch's lock, on which every later build would wait: one older than
+    STALE_LOCK_SECONDS goes, with a warning; a fresh one (a build running now) stays."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "fresh").mkdir()
+    stale, fresh = tmp_path / "stale" / "lock", tmp_path / "fresh" / "lock"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - kernel_module.STALE_LOCK_SECONDS - 60
+    os.utime(stale, (old, old))
+    with caplog.at_level("WARNING"):
+        kernel_module._remove_stale_lock("stale")
+        kernel_module._remove_stale_lock("fresh")
+    assert not stale.exists() and fresh.exists()
+    assert "left" in caplog.text and "stale" in caplog.text
