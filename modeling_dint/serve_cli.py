@@ -13,7 +13,8 @@ The app, its handlers and its flags are transformers' (`dint-serve --help`). Imp
    where importing `modeling_dint` has registered DINT (and `--trust-remote-code` loads other custom code); and
    `/v1/models` lists the model the server was started with.
 2. Start-up: `--continuous-batching` on a DINT checkpoint with `integral="softmax"` is refused before the server
-   starts (`continuous_batching_refusal`).
+   starts (`continuous_batching_refusal`); without continuous batching, on CPU, the fused CPU integral kernel is
+   built (or loaded from its cache) before the server starts, not during the first request.
 3. Request limits (listed in `DINT_SERVE_HELP`, `dint-serve --help`): a request that the model or the server cannot
    complete gets a 400 that names the limit, before it reaches generation, and the server keeps serving; a
    completion stops where the model's context (or the paged cache) ends. Without them, an empty prompt, a prompt
@@ -367,12 +368,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit('dint-serve needs the serving extra: pip install -e ".[serve]" in the repository root')
 
     import modeling_dint  # noqa: F401  (registers DINT with the Auto classes)
+    from modeling_dint.integral_cpu_kernel import integral_kernel
 
     install_serving_model_manager()
     install_request_limits()
 
     def serve(**options) -> None:
         check_serving_options(options)
+        if not options.get("continuous_batching") and options.get("device") in (None, "auto", "cpu"):
+            # Build (or load the cached build of) the fused CPU integral before the server reports healthy, not
+            # during the first request (about 35 s once per machine; a no-op where it cannot build).
+            integral_kernel()
         Serve(**options)
 
     serve.__signature__ = inspect.signature(Serve)  # transformers' flags, as `transformers serve` has them

@@ -212,3 +212,35 @@ def test_importing_serve_cli_changes_nothing_in_transformers():
     assert model_manager.transformers is transformers
     for adapted in (model_manager.ModelManager, server.build_server, utils.GenerateManager, utils.CBGenerateManager):
         assert adapted.__module__.startswith("transformers.cli.serving."), adapted
+
+
+@pytest.mark.parametrize("continuous_batching", [False, True])
+def test_the_cpu_kernel_is_built_before_the_server_starts(monkeypatch, continuous_batching):
+    """Without continuous batching (whose packed requests run the eager integral) dint-serve builds or loads the fused
+    CPU integral kernel before transformers' server starts, so that no request waits for the build."""
+    import inspect
+
+    import transformers.cli.serve
+
+    import modeling_dint.integral_cpu_kernel as kernel_module
+    from modeling_dint import serve_cli
+
+    started = []
+
+    class RecordingServe:  # transformers' Serve, as far as the command line sees it; records the kernel's state
+        __signature__ = inspect.signature(transformers.cli.serve.Serve)
+
+        def __init__(self, **options):
+            started.append((options.get("continuous_batching"), kernel_module._state["tried"]))
+
+    monkeypatch.setattr(transformers.cli.serve, "Serve", RecordingServe)
+    # transformers' serving app stays as it is in this process (test_importing_serve_cli_changes_nothing_in_transformers)
+    monkeypatch.setattr(serve_cli, "install_serving_model_manager", lambda: None)
+    monkeypatch.setattr(serve_cli, "install_request_limits", lambda: None)
+    monkeypatch.setattr(kernel_module, "_state", {"op": None, "tried": False})
+    monkeypatch.setenv("DINT_CPU_KERNEL", "0")  # the decision is what is tested, not the build
+    argv = ["--continuous-batching"] if continuous_batching else []
+    with pytest.raises(SystemExit) as exit_info:
+        serve_cli.main(argv)
+    assert exit_info.value.code in (0, None)
+    assert started == [(continuous_batching, not continuous_batching)]
