@@ -7,13 +7,16 @@ and the cast back): more than DiffLlama's combination and group norm take. `inte
 on first use (`torch.utils.cpp_extension.load_inline`, cached per machine), reads O1 and O2 once in the model's dtype
 and writes the output once: per (batch row, head), a loop over the rows keeps the running sum of each channel in fp32,
 restarts it where a document starts, skips padding rows, and normalizes each row. It returns the sum after the last
-row, what the cache carries. Its time against the eager ops and DiffLlama's tail: `bench/micro_integral.py`,
-`bench/results/micro_integral_cpu.md`.
+row, what the cache carries. For requests packed into one row (continuous batching, vLLM) it reads and writes a state
+table in place instead: a row with a `carry_slot` starts from that slot's sum (a continuing request's first row), a row
+with a `store_slot` stores its sum there (a request's last row; with transformers' paged cache, each row that ends a
+block), so no per-row gather and scatter of the state is needed. Its time against the eager ops and DiffLlama's tail:
+`bench/micro_integral.py`, `bench/results/micro_integral_cpu.md`.
 
 The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 when no gradient is needed, outside
 torch.compile and export, where the head norm has no hooks, and where nobody needs the running sum of every row (a
-cache recording its past for `crop`, or the packed requests of continuous batching and vLLM, which store per-request
-rows); everywhere else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`).
+cache recording its past for `crop`); a packed-request cache takes it where it has `integral_state_table`. Everywhere
+else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
 Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is
 cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
 hashes the source, the torch release and the CPU (it is compiled with `-march=native`), so a shared home folder never
@@ -58,7 +61,8 @@ constexpr uint8_t DOCUMENT_START = @DOCUMENT_START@;
 template <typename scalar_t>
 void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::Tensor& lambda_,
                    const at::Tensor& inverse_count, const at::Tensor& row_flags, const at::Tensor& carry,
-                   const at::Tensor& norm_weight, bool normalize, double eps, at::Tensor& output,
+                   const at::Tensor& norm_weight, bool normalize, double eps, const at::Tensor& state,
+                   const at::Tensor& carry_slot, const at::Tensor& store_slot, at::Tensor& output,
                    at::Tensor& last_sum) {
   const int64_t batch = signal.size(0), rows = signal.size(1), heads = signal.size(2), channels = signal.size(3);
   const scalar_t* signal_data = signal.data_ptr<scalar_t>();
@@ -69,7 +73,12 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
   const float* carry_data = carry.defined() ? carry.data_ptr<float>() : nullptr;
   const float* weight_data = norm_weight.defined() ? norm_weight.data_ptr<float>() : nullptr;
   scalar_t* output_data = output.data_ptr<scalar_t>();
-  float* last_data = last_sum.data_ptr<float>();
+  float* last_data = last_sum.defined() ? last_sum.data_ptr<float>() : nullptr;
+  // Packed requests: a state table read where a row's request carries its past and written where it is stored
+  float* state_data = state.defined() ? state.data_ptr<float>() : nullptr;
+  const int64_t* carry_slot_data = state_data ? carry_slot.data_ptr<int64_t>() : nullptr;
+  const int64_t* store_slot_data = state_data ? store_slot.data_ptr<int64_t>() : nullptr;
+  const int64_t state_slot_stride = state_data ? state.stride(0) : 0, state_head_stride = state_data ? state.stride(1) : 0;
   const auto signal_stride = signal.strides(), noise_stride = noise.strides(), lambda_stride = lambda_.strides();
   const auto inverse_stride = inverse_count.strides(), flag_stride = row_flags.strides();
   const float epsilon = static_cast<float>(eps);
@@ -92,6 +101,10 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
         if (flags & DOCUMENT_START) {
           for (int64_t c = 0; c < channels; ++c) running[c] = 0.0f;
         }
+        if (state_data && carry_slot_data[b * rows + t] >= 0) {  // the request's sum from its earlier steps
+          const float* carried = state_data + carry_slot_data[b * rows + t] * state_slot_stride + h * state_head_stride;
+          for (int64_t c = 0; c < channels; ++c) running[c] = carried[c];
+        }
         if (flags & ROW_VALID) {
           for (int64_t c = 0; c < channels; ++c) running[c] += to_float(signal_row[c]);
         }
@@ -104,6 +117,10 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
           combined[c] = value;
           square_sum += value * value;
         }
+        if (state_data && store_slot_data[b * rows + t] >= 0) {
+          float* stored = state_data + store_slot_data[b * rows + t] * state_slot_stride + h * state_head_stride;
+          for (int64_t c = 0; c < channels; ++c) stored[c] = running[c];
+        }
         scalar_t* output_row = output_data + ((b * rows + t) * heads + h) * channels;
         if (normalize) {
           const float scale = 1.0f / std::sqrt(square_sum * inverse_channels + epsilon);
@@ -112,7 +129,9 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
           for (int64_t c = 0; c < channels; ++c) output_row[c] = static_cast<scalar_t>(combined[c]);
         }
       }
-      for (int64_t c = 0; c < channels; ++c) last_data[index * channels + c] = running[c];
+      if (last_data) {
+        for (int64_t c = 0; c < channels; ++c) last_data[index * channels + c] = running[c];
+      }
     }
   });
 }
@@ -120,7 +139,10 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
 std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Tensor& noise, const at::Tensor& lambda_,
                                          const at::Tensor& inverse_count, const at::Tensor& row_flags,
                                          const c10::optional<at::Tensor>& carry,
-                                         const c10::optional<at::Tensor>& norm_weight, bool normalize, double eps) {
+                                         const c10::optional<at::Tensor>& norm_weight, bool normalize, double eps,
+                                         const c10::optional<at::Tensor>& state,
+                                         const c10::optional<at::Tensor>& carry_slot,
+                                         const c10::optional<at::Tensor>& store_slot) {
   TORCH_CHECK(signal.dim() == 4 && noise.sizes() == signal.sizes(), "signal and noise: [B, T, heads, C], the same");
   TORCH_CHECK(signal.scalar_type() == noise.scalar_type(), "signal and noise: one dtype");
   TORCH_CHECK(signal.stride(3) == 1 && noise.stride(3) == 1, "signal and noise: contiguous channels");
@@ -137,16 +159,34 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
     weight_tensor = norm_weight->to(at::kFloat).contiguous();
     TORCH_CHECK(weight_tensor.numel() == channels, "norm_weight: [C]");
   }
+  at::Tensor state_tensor, carry_slot_tensor, store_slot_tensor, last_sum;
+  if (state.has_value()) {
+    // Packed requests: no per-batch-row carry; each row may read (carry_slot >= 0) and store (store_slot >= 0) its
+    // request's sum in the table, in place
+    TORCH_CHECK(!carry.has_value(), "state and carry: one or the other");
+    state_tensor = *state;
+    TORCH_CHECK(state_tensor.scalar_type() == at::kFloat && state_tensor.dim() == 3 && state_tensor.size(1) == heads &&
+                    state_tensor.size(2) == channels && state_tensor.stride(2) == 1,
+                "state: fp32 [slots, heads, C] with contiguous channels");
+    TORCH_CHECK(carry_slot.has_value() && store_slot.has_value(), "state needs carry_slot and store_slot");
+    carry_slot_tensor = carry_slot->contiguous();
+    store_slot_tensor = store_slot->contiguous();
+    TORCH_CHECK(carry_slot_tensor.scalar_type() == at::kLong && store_slot_tensor.scalar_type() == at::kLong &&
+                    carry_slot_tensor.sizes() == row_flags.sizes() && store_slot_tensor.sizes() == row_flags.sizes(),
+                "carry_slot and store_slot: int64 [B, T]");
+  } else {
+    last_sum = at::empty({batch, heads, channels}, signal.options().dtype(at::kFloat));
+  }
   auto output = at::empty(signal.sizes(), signal.options());
-  auto last_sum = at::empty({batch, heads, channels}, signal.options().dtype(at::kFloat));
   if (signal.scalar_type() == at::kBFloat16) {
     integral_rows<c10::BFloat16>(signal, noise, lambda_, inverse_count, row_flags, carry_tensor, weight_tensor,
-                                 normalize, eps, output, last_sum);
+                                 normalize, eps, state_tensor, carry_slot_tensor, store_slot_tensor, output, last_sum);
   } else {
     TORCH_CHECK(signal.scalar_type() == at::kFloat, "signal: fp32 or bf16");
     integral_rows<float>(signal, noise, lambda_, inverse_count, row_flags, carry_tensor, weight_tensor, normalize,
-                         eps, output, last_sum);
+                         eps, state_tensor, carry_slot_tensor, store_slot_tensor, output, last_sum);
   }
+  if (!last_sum.defined()) last_sum = at::empty({0}, signal.options().dtype(at::kFloat));
   return {output, last_sum};
 }
 
@@ -155,7 +195,8 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
 TORCH_LIBRARY(@NAMESPACE@, m) {
   m.def(
       "integral_forward(Tensor signal, Tensor noise, Tensor lambda_, Tensor inverse_count, Tensor row_flags, "
-      "Tensor? carry, Tensor? norm_weight, bool normalize, float eps) -> Tensor[]");
+      "Tensor? carry, Tensor? norm_weight, bool normalize, float eps, Tensor(a!)? state=None, "
+      "Tensor? carry_slot=None, Tensor? store_slot=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(@NAMESPACE@, CPU, m) { m.impl("integral_forward", &integral_forward); }

@@ -115,11 +115,14 @@ class DintIntegralLayout:
     def row_flags(self, batch_size: int, query_length: int, device: torch.device) -> torch.Tensor:
         """The CPU kernel's flags per row, `[B, T]` uint8 (`integral_cpu_kernel.ROW_VALID | DOCUMENT_START`): the rows
         that count, and the rows where the running sum restarts before adding (a document's first row; row 0 where the
-        cache's sums do not carry). Computed on the first layer's call, then kept for the others."""
+        cache's sums do not carry; with `carry_per_row`, every request's first row, whose carried sum the kernel reads
+        from the cache's table after the restart). Computed on the first layer's call, then kept for the others."""
         if self.kernel_row_flags is None:
             if self.restart_row is not None:
                 row_index = torch.arange(query_length, device=device)
-                starts = (self.restart_row == row_index) & ~self.in_carried_document
+                starts = self.restart_row == row_index
+                if not self.carry_per_row:
+                    starts &= ~self.in_carried_document
             else:
                 starts = torch.zeros(batch_size, query_length, dtype=torch.bool, device=device)
                 if isinstance(self.carry_kept, torch.Tensor):
@@ -620,7 +623,8 @@ class DintIntegral:
         """Whether `integral_cpu_kernel` computes this call (arguments as `__call__`'s): on CPU, fp32 or bf16 outputs
         with contiguous channels and an fp32 lambda, no gradient wanted, eager (not compiling or exporting), the head
         norm torch's RMSNorm over the channels (or none) with no hooks to run, and nobody needing the running sum of
-        every row (the cache's state after the last row is all it stores)."""
+        every row: a cache stores the state after the last row, or (packed requests: continuous batching, vLLM) has
+        `integral_state_table`, the rows where each request reads and stores its state in a table."""
         if (
             signal_output.device.type != "cpu"
             or signal_output.dtype not in KERNEL_DTYPES
@@ -629,7 +633,6 @@ class DintIntegral:
             or signal_output.stride(-1) != 1
             or noise_output.stride(-1) != 1
             or lambda_.dtype != torch.float32
-            or layout.carry_per_row
             or torch.compiler.is_compiling()
         ):
             return False
@@ -646,7 +649,10 @@ class DintIntegral:
             tensor is not None and tensor.requires_grad for tensor in (signal_output, noise_output, lambda_, weight)
         ):
             return False
-        if cache is not None and records_running_rows(cache, self.layer_idx):
+        if layout.carry_per_row and cache is not None:
+            if not hasattr(cache, "integral_state_table"):
+                return False
+        elif cache is not None and records_running_rows(cache, self.layer_idx):
             return False
         return integral_kernel() is not None
 
@@ -660,10 +666,15 @@ class DintIntegral:
         head_norm: nn.Module,
     ) -> torch.Tensor:
         """`integral_cpu_kernel`'s one pass (arguments as `__call__`'s): the normalized combination `[B, T, heads, C]`
-        in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache."""
+        in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache, or, for packed requests,
+        each request's sums in the cache's table in place (`integral_state_table`)."""
         batch_size, query_length, heads, channels = signal_output.shape
         lambda_rows = lambda_.reshape(1, 1, 1) if lambda_.dim() == 0 else lambda_[..., 0]  # -> [B, T, heads]
-        carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        carry = state_table = carry_slot = store_slot = None
+        if cache is not None and layout.carry_per_row:
+            state_table, carry_slot, store_slot = cache.integral_state_table(self.layer_idx)
+        elif cache is not None:
+            carry = carried_state(cache, self.layer_idx, SIGNAL_SUM)
         if carry is not None:
             carry = carry.expand(batch_size, heads, channels)  # a state kept once for the batch broadcasts, as in eager
         normalize = isinstance(head_norm, nn.RMSNorm)
@@ -678,8 +689,11 @@ class DintIntegral:
             head_norm.weight if normalize else None,
             normalize,
             eps,
+            state_table,
+            carry_slot,
+            store_slot,
         )
-        if cache is not None:
+        if cache is not None and state_table is None:
             cache.update_recurrent_state(last_signal_sum, self.layer_idx, state_idx=SIGNAL_SUM)
         return output
 

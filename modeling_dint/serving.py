@@ -160,7 +160,8 @@ class DintPagedStep:
         last_row[(cu_seq_lens_q[1:] - 1).clamp(min=0, max=num_rows - 1)] = True
         store = last_row | ((positions + 1) % allocator.tokens_per_page == 0)
         trash_block = allocator.write_trash_index // allocator.block_physical_stride
-        self.store_blocks = torch.where(store, write_index // allocator.block_physical_stride, trash_block)
+        self.store_rows, write_blocks = store, write_index // allocator.block_physical_stride
+        self.store_blocks = torch.where(store, write_blocks, trash_block)
 
         # A request that continues (its first row is past position 0) carries the state of its previous token's block
         # (no read index: no request of the step has a past). Rows of the other requests read a block they ignore.
@@ -170,6 +171,7 @@ class DintPagedStep:
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
             previous_token = (cu_seq_lens_k[:-1] + positions[request_start] - 1).clamp(min=0, max=read_index.numel() - 1)
             self.carry_blocks = (read_index[previous_token] // allocator.block_physical_stride)[row_request]
+        self.kernel_slots = None  # `integral_state_table`'s rows, built by the first layer that asks
 
     def model_kwargs(self, kwargs: dict) -> dict:
         """The model's keyword arguments for this step: this object as the cache, the step's layout, and the
@@ -197,6 +199,25 @@ class DintPagedStep:
         if state_idx != SIGNAL_SUM or self.carry_blocks is None:
             return None
         return self.allocator.integral_sums[self.carry_blocks, self.allocator.layer_slot[layer_idx]][None]
+
+    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the CPU kernel, which reads and stores the sums in place: the layer's sums per block `[blocks, H/2, C]`
+        (fp32, a view of `integral_sums`), and per row `[1, T]` (int64, -1 for none) the block whose sum the row
+        starts from (a continuing request's first row: its previous token's block) and the block it stores its sum
+        in (each request's last row, each row that completes a block: as `update_recurrent_state`)."""
+        if self.kernel_slots is None:
+            num_rows, device = self.store_rows.shape[0], self.store_rows.device
+            carry_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+            if self.carry_blocks is not None:
+                first_row_of_continuing = (
+                    (self.layout.restart_row[0] == torch.arange(num_rows, device=device))
+                    & self.layout.in_carried_document[0]
+                )
+                carry_slot = torch.where(first_row_of_continuing, self.carry_blocks, carry_slot)
+            store_slot = torch.where(self.store_rows, self.store_blocks, -1)
+            self.kernel_slots = (carry_slot[None], store_slot[None])
+        table = self.allocator.integral_sums[:, self.allocator.layer_slot[layer_idx]]
+        return (table, *self.kernel_slots)
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
         """Stores the running sum after each request's last row and after each block it completes (from

@@ -225,3 +225,37 @@ def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
         kernel_module._remove_stale_lock("fresh")
     assert not stale.exists() and fresh.exists()
     assert "left" in caplog.text and "stale" in caplog.text
+
+
+@requires_toolchain
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_continuous_batching_reads_and_stores_each_requests_state_in_place(layout, dtype, eager_integral, monkeypatch):
+    """Packed requests (transformers' continuous batching): prompts prefilled in chunks, requests waiting then joining
+    while others decode, sums stored at block ends and at each request's last row. The kernel reads each continuing
+    request's sum from its previous block and stores into its blocks in place (`DintPagedStep.integral_state_table`):
+    the eager integral's tokens (fp32) and log-probabilities, and the same per-block state table."""
+    serving_tests = pytest.importorskip("test_serving")  # skipped below transformers 5.24, as continuous batching
+    model = serving_tests.serving_model("mean", dtype=dtype, **layout)
+    prompts = serving_tests.random_prompts()
+
+    def run():
+        outputs = model.generate_batch(
+            inputs=prompts, generation_config=serving_tests.greedy_config(),
+            continuous_batching_config=serving_tests.small_cache(),
+        )
+        return [outputs[request_id] for request_id in sorted(outputs)]
+
+    with eager_integral:
+        expected = run()
+    calls = kernel_calls(monkeypatch)
+    actual = run()
+    assert len(calls) >= model.config.num_hidden_layers * (len(prompts) + serving_tests.NEW_TOKENS)
+    assert all(shape[0] == 1 for shape in calls)  # every call: the requests packed into one row
+    for got, want in zip(actual, expected):
+        assert got.prompt_ids == want.prompt_ids
+        if dtype == torch.float32:
+            assert got.generated_tokens == want.generated_tokens
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+        else:  # bf16: the first token's log-probability within its rounding (later ones follow their own tokens)
+            torch.testing.assert_close(got.logprobs[0], want.logprobs[0], atol=5e-2, rtol=5e-2)

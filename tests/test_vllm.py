@@ -12,6 +12,7 @@ The model: random weights, head_dim 32 (vLLM's CPU attention takes head sizes 32
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -159,7 +160,9 @@ def vllm_results(checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -
     prefix_engine = {**ENGINE, "enable_prefix_caching": True, "block_size": BLOCK_SIZE}
     runs = [
         {"name": "default", "engine": ENGINE, "batches": [prompts]},
-        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts]},
+        # the eager integral (gather, running sum, scatter), what vLLM runs off CPU; the other runs take the CPU kernel
+        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts],
+         "eager_integral": True},
         {"name": "prefix", "engine": prefix_engine, "batches": shared_prefix_prompts},
         {
             "name": "preemption",
@@ -201,6 +204,22 @@ def test_prefix_caching_hits_and_equal(vllm_results, reference_model, shared_pre
         references = generate_reference(reference_model, prompts)
         assert_tokens_equal(requests, references, "prefix caching")
         assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
+
+
+HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
+
+
+def assert_the_cpu_kernel_ran_but_in_the_eager_run(results: dict) -> None:
+    """On CPU the integral op runs the fused kernel (each request's state read and stored in its slot in place), so
+    the equalities of this file hold for it; the chunked-prefill run keeps the eager ops covered."""
+    for name, result in results.items():
+        assert result["kernel_built"], "the fused CPU integral kernel was not built in vLLM's process"
+        assert (result["kernel_calls"] == 0) if name == "chunked" else (result["kernel_calls"] > 0), name
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja: the CPU kernel cannot build")
+def test_the_cpu_kernel_computes_the_integral_of_every_run_but_the_eager_one(vllm_results):
+    assert_the_cpu_kernel_ran_but_in_the_eager_run(vllm_results)
 
 
 def test_preemption_equal(vllm_results, reference):
@@ -284,7 +303,9 @@ def v2_reference(v2_checkpoint, prompts) -> list[dict]:
 def v2_results(v2_checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -> dict:
     runs = [
         {"name": "default", "engine": ENGINE, "batches": [prompts]},
-        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts]},
+        # the eager integral (gather, running sum, scatter), what vLLM runs off CPU; the other runs take the CPU kernel
+        {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts],
+         "eager_integral": True},
         {"name": "prefix", "engine": {**ENGINE, "enable_prefix_caching": True, "block_size": BLOCK_SIZE},
          "batches": shared_prefix_prompts},
         {"name": "preemption",
@@ -295,6 +316,11 @@ def v2_results(v2_checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) 
     for run in runs:
         run.update(max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
     return run_worker(v2_checkpoint, runs, tmp_path_factory.mktemp("vllm_v2_runs"))
+
+
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja: the CPU kernel cannot build")
+def test_v2_the_cpu_kernel_computes_the_integral_of_every_run_but_the_eager_one(v2_results):
+    assert_the_cpu_kernel_ran_but_in_the_eager_run(v2_results)
 
 
 def test_v2_decoding_chunked_prefill_and_preemption_equal_generate(v2_results, v2_reference):

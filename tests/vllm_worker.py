@@ -9,9 +9,10 @@ process where `VLLM_ENABLE_V1_MULTIPROCESSING=0`), generates greedily for each b
 can hit the prefix cache the earlier ones filled), and records per request the generated token ids, the top-K
 log-probabilities of each step, and the prompt tokens served from the prefix cache; per run the engine's preemption
 count. `drop_integral_state` is the negative control: the integral state is neither read nor written, so each step
-sees only its own tokens' running sum.
+sees only its own tokens' running sum. `eager_integral`: the integral runs as eager ops, not the fused CPU kernel.
 
-OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n}}`.
+OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n,
+"kernel_built": bool, "kernel_calls": n}}` (the fused CPU integral kernel: built in this process, calls in the run).
 """
 
 import contextlib
@@ -38,6 +39,25 @@ def integral_state_dropped(dropped: bool):
         yield
     finally:
         modeling_dint_vllm.vllm_integral_step = original
+
+
+@contextlib.contextmanager
+def integral_kernel_counted(eager: bool):
+    """Counts the fused CPU integral kernel's calls in the block (where it was built), or turns it off (`eager`)."""
+    from modeling_dint import integral_cpu_kernel
+
+    op = integral_cpu_kernel.integral_kernel()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return op(*args)
+
+    integral_cpu_kernel._state["op"] = None if eager or op is None else counted
+    try:
+        yield calls, op is not None
+    finally:
+        integral_cpu_kernel._state["op"] = op
 
 
 def preemption_count(llm) -> int:
@@ -79,7 +99,9 @@ def main() -> None:
     results = {}
     for run in spec["runs"]:
         with integral_state_dropped(run.get("drop_integral_state", False)):
-            results[run["name"]] = run_one(spec["model"], run)
+            with integral_kernel_counted(run.get("eager_integral", False)) as (calls, built):
+                results[run["name"]] = run_one(spec["model"], run)
+        results[run["name"]].update(kernel_built=built, kernel_calls=len(calls))
     with open(out_path, "w", encoding="utf-8") as file:
         json.dump(results, file)
 

@@ -9,6 +9,10 @@ lambda, and the package's own `DintIntegral` (`integral_dint.py`, the code trans
     head_j  = O1 - lambda * O2 + lambda * S_n / (n + 1)       (v1: then RMSNorm over its 2d channels)
     out     = concat(head_j) W_o
 
+The running sum, the combination and the head norm run in one op (`INTEGRAL_OP`): on CPU, in fp32 and bf16, the
+package's fused kernel (`integral_cpu_kernel.py`), which reads each request's state from its slot and stores it back
+in place; elsewhere the eager ops, which gather the states per row and scatter them after the request's last row.
+
 **v1 (the paper's layout, DiffLlama's): one attention call, Llama's KV-cache bytes.** H softmax maps, the first H/2
 signal maps A1, the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
 p = j // (H / KV), `[V_p | V_(p + KV/2)]`. vLLM's paged `Attention` holds, per KV head pair p, one cache head of
@@ -137,10 +141,13 @@ def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list
 class VllmIntegralStep:
     """The cache `DintIntegral` sees in one vLLM step, for one layer: each request's slot of the layer's integral state,
     read per query row (`carry_per_row` of `DintIntegralLayout.for_packed_requests`) and written after the request's
-    last row of the step. The recurrent-state methods of transformers' caches, on vLLM's state framework."""
+    last row of the step. The recurrent-state methods of transformers' caches, on vLLM's state framework; and, for the
+    CPU kernel, the state table with the rows where each request reads and stores its slot
+    (`integral_state_table`)."""
 
-    def __init__(self, state: torch.Tensor, slots: torch.Tensor, row_request: torch.Tensor, last_rows: torch.Tensor):
-        self.state, self.slots, self.row_request, self.last_rows = state, slots, row_request, last_rows
+    def __init__(self, state: torch.Tensor, step_rows: "VllmStepRows"):
+        self.state, self.step_rows = state, step_rows
+        self.slots, self.row_request, self.last_rows = step_rows.slots, step_rows.row_request, step_rows.last_rows
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         """`[1, T, H/2 / tp, C]`: the state each row's request carries from its earlier steps."""
@@ -151,22 +158,51 @@ class VllmIntegralStep:
         self.state[self.slots] = running_rows[0, self.last_rows]
         return recurrent_states
 
+    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's state `[slots, H/2 / tp, C]` (fp32), and per row `[1, T]` (int64, -1 for none) the slot it
+        reads before it (a continuing request's first row) and the slot it stores after it (each request's last
+        row)."""
+        return self.state, self.step_rows.carry_slot, self.step_rows.store_slot
 
-def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: torch.Tensor):
-    """The step's `DintIntegralLayout` (requests packed into one row, decodes first: request r owns rows
-    query_start_loc[r]:query_start_loc[r+1]; a request whose first row is at position 0, new or recomputed after
-    preemption, starts from zero) and the layer's `VllmIntegralStep`. The layout is built once per step, for all
-    layers (kept on vLLM's metadata object of the step)."""
-    prepared = getattr(attn_metadata, "_dint_step", None)
-    if prepared is None:
+
+class VllmStepRows:
+    """What one vLLM step's rows are, the same for every DINT layer (built once per step, kept on vLLM's metadata
+    object of the step): the requests packed into one row, decodes first, request r owning rows
+    query_start_loc[r]:query_start_loc[r+1]; a request whose first row is at position 0 (new, or recomputed after
+    preemption) starts from zero.
+
+    Attributes:
+        layout (`DintIntegralLayout`): the step's `for_packed_requests` layout.
+        slots (`[R]`): each request's state slot. row_request (`[T]`): each row's request. last_rows (`[R]`): each
+            request's last row.
+        carry_slot, store_slot (`[1, T]` int64, -1 for none): the slot a row reads before it and stores after it.
+    """
+
+    def __init__(self, attn_metadata, positions: torch.Tensor):
         cu_seq_lens_q = attn_metadata.query_start_loc
         request_rows = packed_request_rows(positions, cu_seq_lens_q)
-        layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, request_rows)
-        row_request = request_rows[1]
-        prepared = attn_metadata._dint_step = (layout, row_request, cu_seq_lens_q[1:].long() - 1)
-    layout, row_request, last_rows = prepared
-    slots = attn_metadata.state_indices_tensor[: last_rows.shape[0]]
-    return layout, VllmIntegralStep(layer.kv_cache[0], slots, row_request, last_rows)
+        self.layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, request_rows)
+        _, self.row_request, request_start = request_rows
+        self.last_rows = cu_seq_lens_q[1:].long() - 1
+        self.slots = attn_metadata.state_indices_tensor[: self.last_rows.shape[0]].long()
+        num_rows = positions.shape[0]
+        first_row_of_continuing = (
+            (self.layout.restart_row[0] == torch.arange(num_rows, device=positions.device))
+            & self.layout.in_carried_document[0]
+        )
+        self.carry_slot = torch.where(first_row_of_continuing, self.slots[self.row_request], -1)[None]
+        store_slot = torch.full((num_rows,), -1, dtype=torch.long, device=positions.device)
+        store_slot[self.last_rows] = self.slots
+        self.store_slot = store_slot[None]
+
+
+def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: torch.Tensor):
+    """The step's `DintIntegralLayout` and the layer's `VllmIntegralStep`, from the step's `VllmStepRows` (built by the
+    first DINT layer of the step)."""
+    step_rows = getattr(attn_metadata, "_dint_step", None)
+    if step_rows is None:
+        step_rows = attn_metadata._dint_step = VllmStepRows(attn_metadata, positions)
+    return step_rows.layout, VllmIntegralStep(layer.kv_cache[0], step_rows)
 
 
 def integral_output(
@@ -177,9 +213,9 @@ def integral_output(
     positions: torch.Tensor,
     output: torch.Tensor,
 ) -> None:
-    """Writes into `output` `[T, H/2 / tp, C]` (fp32) the package's `DintIntegral` of the step (the code transformers'
-    attention runs): `O1 - lambda * (O2 - S / c)` with S each request's running sum of O1, its state carried from
-    earlier steps; stores each request's new state. Rows vLLM pads the batch with get 0."""
+    """Writes into `output` `[T, H/2 / tp, C]` (O1's dtype) the package's `DintIntegral` of the step (the code
+    transformers' attention runs): `head_norm(O1 - lambda * (O2 - S / c))` with S each request's running sum of O1, its
+    state carried from earlier steps; stores each request's new state. Rows vLLM pads the batch with get 0."""
     attn_metadata = get_forward_context().attn_metadata
     if isinstance(attn_metadata, dict):
         attn_metadata = attn_metadata.get(layer.prefix)
@@ -193,7 +229,9 @@ def integral_output(
         layout, cache = vllm_integral_step(layer, attn_metadata, positions[:num_tokens])
     if lambda_.dim() > 0:  # v2: [T, H/2, 1]
         lambda_ = lambda_[:num_tokens][None]
-    combined = layer.integral(signal_output[None, :num_tokens], noise_output[None, :num_tokens], lambda_, layout, cache)
+    combined = layer.integral(
+        signal_output[None, :num_tokens], noise_output[None, :num_tokens], lambda_, layout, cache, layer.head_norm
+    )
     output[:num_tokens] = combined[0]
     output[num_tokens:] = 0.0
 
@@ -222,13 +260,16 @@ if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
 
 class DintIntegralState(MambaBase, nn.Module):
     """The integral state of one DINT layer in vLLM's state framework: per request, the running sum of the signal
-    outputs O1, `(H/2 / tp, C)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, C]`), and the package's `DintIntegral`."""
+    outputs O1, `(H/2 / tp, C)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, C]`), and the package's `DintIntegral`.
+    `head_norm` is the attention's head norm (or `nn.Identity`), held, not registered: its weight is the attention's
+    `head_norm.weight` (`use_head_norm`)."""
 
     def __init__(self, config: DintConfig, vllm_config: VllmConfig, prefix: str):
         nn.Module.__init__(self)
         self.prefix = prefix
         self.state_shape = integral_state_shape(config, get_tensor_model_parallel_world_size())
         self.integral = DintIntegral(config.integral, layer_idx=extract_layer_index(prefix))
+        self.use_head_norm(None)
         static_forward_context = vllm_config.compilation_config.static_forward_context
         if prefix in static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -238,6 +279,11 @@ class DintIntegralState(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.LINEAR
 
+    def use_head_norm(self, head_norm: nn.Module | None) -> None:
+        """The op normalizes with the attention's `head_norm` (None: none): kept in `__dict__`, so that the module
+        tree (parameter names, weight loading) does not hold it twice."""
+        self.__dict__["head_norm"] = nn.Identity() if head_norm is None else head_norm
+
     def get_state_shape(self) -> tuple[tuple[int, int]]:
         return (self.state_shape,)
 
@@ -246,8 +292,8 @@ class DintIntegralState(MambaBase, nn.Module):
 
     def forward(self, signal_output, noise_output, lambda_, positions) -> torch.Tensor:
         """O1, O2 `[T, H/2 / tp, C]`, lambda (a scalar, or `[T, H/2 / tp, 1]`), positions `[T]` -> the DINT output
-        `[T, H/2 / tp, C]` fp32 (`integral_output`)."""
-        output = torch.empty(signal_output.shape, dtype=torch.float32, device=signal_output.device)
+        after the head norm `[T, H/2 / tp, C]` in O1's dtype (`integral_output`)."""
+        output = torch.empty(signal_output.shape, dtype=signal_output.dtype, device=signal_output.device)
         getattr(torch.ops.vllm, INTEGRAL_OP)(signal_output, noise_output, lambda_, positions, output, self.prefix)
         return output
 
@@ -335,6 +381,7 @@ class DintVllmAttention(nn.Module):
             )
             if config.head_norm_affine:
                 self.head_norm.weight.weight_loader = default_weight_loader
+        self.integral_state.use_head_norm(self.head_norm)
 
     def differential_outputs(self, hidden_states, query, key, value) -> tuple[torch.Tensor, ...]:
         """O1, O2 `[T, H/2 / tp, C]` and lambda (v1: a fp32 scalar; v2: `[T, H/2 / tp, 1]` fp32)."""
@@ -364,11 +411,11 @@ class DintVllmAttention(nn.Module):
         query, key = self.rotary_emb(positions, query, key)
         signal_output, noise_output, lambda_ = self.differential_outputs(hidden_states, query, key, value)
         if self.config.integral == "none":  # O1 - lambda * O2, as transformers' attention (DiffLlama's arithmetic)
-            combined = self.integral_state.integral(signal_output, noise_output, lambda_, None)
-        else:
+            combined = self.integral_state.integral(
+                signal_output, noise_output, lambda_, None, head_norm=self.integral_state.head_norm
+            )
+        else:  # normalized by the head norm inside the op
             combined = self.integral_state(signal_output, noise_output, lambda_, positions)
-        if self.head_norm is not None:
-            combined = self.head_norm(combined)
         output, _ = self.o_proj(combined.to(hidden_states.dtype).reshape(num_tokens, -1))
         return output
 
