@@ -242,6 +242,33 @@ def test_plateau_extension_applies_to_every_run_on_the_plateau():
     assert training.extended_cap(1000, presets.Settings(), 2.5, 200) == 1000
 
 
+def test_plateau_retry_replaces_only_runs_left_on_the_plateau():
+    """Issue 38's second rule: a registered run still on the plateau is retried on its seed at half its rate, in the
+    order of the kinds given, every architecture alike; the retry stands for the seed in the summary, a run that
+    learned is never retried or replaced."""
+    import compare
+
+    settings = presets.comparison_settings(64)
+    plateau = tasks.plateau_loss(settings)
+    stuck, left = plateau, 0.1 * plateau
+
+    def record(phase, kind, seed, lr, loss):
+        job = dict(phase=phase, task="needle", kind=kind, hidden=64, context=64, lr=lr, seed=seed)
+        return {**job, "id": runner.job_id(job), "best_validation_loss": loss}
+
+    records = [record("main", "dint", 0, 1e-3, stuck), record("main", "transformer", 3, 2e-3, stuck),
+               record("main", "transformer", 0, 2e-3, left), record("main", "dint", 1, 1e-3, left)]
+    records = {r["id"]: r for r in records}
+    retries = compare.retry_jobs(records, settings, ["transformer", "dint"])
+    assert [(job["kind"], job["seed"], job["lr"]) for job in retries] == [("transformer", 3, 1e-3), ("dint", 0, 5e-4)]
+    assert compare.retry_jobs(records, presets.Settings(), ["transformer", "dint"]) == []  # no rule: no retry
+    assert [r["retried"] for r in compare.seed_records(records, settings, "transformer")] == [False, False]
+    retry = record("retry", "transformer", 3, 1e-3, left)
+    records[retry["id"]] = retry
+    chosen = compare.seed_records(records, settings, "transformer")
+    assert [(r["seed"], r["retried"], r["lr"]) for r in chosen] == [(0, False, 2e-3), (3, True, 1e-3)]
+
+
 @pytest.mark.parametrize("preset", ["Settings", "gpu_settings"])
 def test_preset_fits_its_data(preset):
     """Every trained length holds the largest needle count with all its queries, and the corpus holds the

@@ -1,12 +1,14 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """Issue 38's registered comparison: the Transformer, DIFF-V1 and DINT-V1 (the paper's, head norm), both without the
 head norm, DIFF-V2 and DINT-V2, at equal parameter count, on the committed report's needle task and rules plus the
-plateau extension (`Settings.plateau_max_steps`), 5 seeds, one training process at a time.
+plateau extension (`Settings.plateau_max_steps`) and the plateau retry (`Settings.plateau_retry_lr_factor`), 5 seeds,
+one training process at a time (or two: `--only main` and `--only retry` share the journal).
 
     python examples/research/compare.py --hidden 64                 # runs (resumable) then summary.md
     python examples/research/compare.py --hidden 64 --summary-only  # summary.md from jobs.jsonl
     python examples/research/compare.py --hidden 128 --rate 200     # steps/s per architecture (rate.json, rate.md)
     python examples/research/compare.py --hidden 128 --sweep        # hidden 128: the learning-rate sweep first
+    python examples/research/compare.py --hidden 64 --only retry    # only the retries of runs left on the plateau
 
 Records go to `results/v2/h{hidden}/jobs.jsonl` (one line per finished run, appended as it finishes, so a killed run
 resumes where it stopped); `summary.md` there says which (architecture, seed) ran and whether each learned, the
@@ -75,6 +77,37 @@ def sweep_jobs(settings: Settings, kinds) -> list[dict]:
     ]
 
 
+def retry_jobs(records: dict, settings: Settings, kinds) -> list[dict]:
+    """The plateau retry: every finished registered run of `kinds` still on the plateau (it ran to
+    `plateau_max_steps`) again on its seed at `plateau_retry_lr_factor` x its learning rate, in the order of `kinds`
+    then seed, so the first architecture's retries run first."""
+    if settings.plateau_retry_lr_factor is None:
+        return []
+    hidden, context = settings.needle_configs[0]
+    stuck = [r for r in records.values() if r["phase"] == "main" and r["hidden"] == hidden and r["kind"] in kinds
+             and not learned(r, settings)]
+    stuck.sort(key=lambda r: (list(kinds).index(r["kind"]), r["seed"]))
+    return [dict(phase="retry", task="needle", kind=r["kind"], hidden=hidden, context=context,
+                 lr=r["lr"] * settings.plateau_retry_lr_factor, seed=r["seed"]) for r in stuck]
+
+
+def seed_records(records: dict, settings: Settings, kind: str) -> list[dict]:
+    """The record that stands for each seed of `kind`, by seed: the registered run, or its plateau retry where the
+    registered run stayed on the plateau and the retry has finished (each carries `retried`: whether it is a
+    retry)."""
+    hidden = settings.needle_configs[0][0]
+    main = {r["seed"]: r for r in records.values() if r["phase"] == "main" and r["kind"] == kind and r["hidden"] == hidden}
+    retry = {r["seed"]: r for r in records.values() if r["phase"] == "retry" and r["kind"] == kind
+             and r["hidden"] == hidden}
+    chosen = []
+    for seed in sorted(main):
+        record = main[seed]
+        if not learned(record, settings) and seed in retry:
+            record = retry[seed]
+        chosen.append({**record, "retried": record["phase"] == "retry"})
+    return chosen
+
+
 def read_journal(journal: Path) -> dict:
     if not journal.exists():
         return {}
@@ -126,8 +159,7 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     plateau = plateau_loss(settings)
     counts, factors = settings.needle_counts, settings.length_factors
     two = min(n for n in counts if n >= 2)
-    by_kind = {kind: sorted((r for r in records.values() if r["phase"] == "main" and r["kind"] == kind
-                             and r["hidden"] == hidden), key=lambda r: r["seed"]) for kind in kinds}
+    by_kind = {kind: seed_records(records, settings, kind) for kind in kinds}
     ci = lambda values: ci_text(values, settings) if len(values) > 1 else (f"{values[0]:.3f}" if values else "-")  # noqa: E731
     lines = [
         f"# Issue 38's registered comparison, hidden {hidden}, trained at {context} tokens (partial until every cell "
@@ -137,12 +169,15 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
         "Rules (fixed in code before the first run): the committed report's task, stopping rule and plateau clause "
         f"(`Settings`), plus issue 38's plateau extension: a run still on the plateau (best validation loss above "
         f"{settings.plateau_fraction} x {plateau:.3f}) at the {settings.max_steps}-step cap goes on to "
-        f"{settings.plateau_max_steps} steps, every architecture alike. Learning rates: "
+        f"{settings.plateau_max_steps} steps, every architecture alike; and its plateau retry (fixed before any retry "
+        f"ran): a run still on the plateau at {settings.plateau_max_steps} steps is run again on its seed at "
+        f"{settings.plateau_retry_lr_factor:g} x its learning rate, the retry's record standing for the seed (marked "
+        "r below). Learning rates: "
         + ", ".join(f"{kind} {learning_rates[kind]:g}" for kind in kinds)
         + f". *Learned*: left the 1/N plateau (best validation loss below {settings.plateau_fraction * plateau:.3f}).",
         "", f"Parameters: " + ", ".join(f"{kind} {parameters[kind]:,}" for kind in kinds) + ".", "",
         "## Runs", "",
-        "| architecture | lr | seeds run | learned | steps (per seed) | steps/s | "
+        "| architecture | lr | seeds run (r: retried) | learned | steps (per seed) | steps/s | "
         f"{two}-needle acc at 1x | mean over N at 1x | at 2x | at 4x | first query, mean over N at 1x |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -154,7 +189,8 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
         mean_over_n = {f: [float(np.mean(list(r["accuracy"][str(f)].values()))) for r in runs] for f in factors}
         first = [float(np.mean(list(r["first_query_accuracy"]["1"].values()))) for r in runs]
         lines.append(
-            f"| {DESCRIPTIONS.get(kind, kind)} | {learning_rates[kind]:g} | {', '.join(str(r['seed']) for r in runs)} | "
+            f"| {DESCRIPTIONS.get(kind, kind)} | {learning_rates[kind]:g} | "
+            f"{', '.join(str(r['seed']) + ('r' if r['retried'] else '') for r in runs)} | "
             f"{sum(learned(r, settings) for r in runs)}/{len(runs)} "
             f"({', '.join(str(r['seed']) for r in runs if learned(r, settings)) or 'none'}) | "
             f"{', '.join(str(r['steps']) for r in runs)} | {np.mean([r['steps_per_second'] for r in runs]):.1f} | "
@@ -209,6 +245,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rate", type=int, metavar="STEPS", help="measure steps/s per kind (one thread) and stop")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
+    parser.add_argument("--only", choices=("main", "retry"),
+                        help="run only the registered runs, or only the plateau retries (two processes can share "
+                        "the journal this way); default: the registered runs, then the retries")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     settings = comparison_settings(args.hidden)
@@ -246,12 +285,18 @@ def main(argv=None) -> None:
             (out / "learning_rates.json").write_text(json.dumps(learning_rates, indent=1))
             log(f"chosen learning rates: {learning_rates}")
     if not args.summary_only:
-        jobs = comparison_jobs(settings, args.kinds, learning_rates)
-        pending = [job for job in jobs if job_id(job) not in done]
-        if args.max_jobs is not None:
-            pending = pending[: args.max_jobs]
-        for job in pending:  # one at a time, in order, each record appended as it finishes
-            run_jobs([job], settings, journal, done, log)
+        started = 0
+        while args.max_jobs is None or started < args.max_jobs:
+            done = read_journal(journal)  # again before each job: a second process may have appended records
+            pending = []
+            if args.only in (None, "main"):
+                pending = [job for job in comparison_jobs(settings, args.kinds, learning_rates) if job_id(job) not in done]
+            if not pending and args.only in (None, "retry"):
+                pending = [job for job in retry_jobs(done, settings, args.kinds) if job_id(job) not in done]
+            if not pending:
+                break
+            run_jobs(pending[:1], settings, journal, done, log)  # one at a time, its record appended as it finishes
+            started += 1
     parameters = parameter_counts(settings, args.kinds)
     print(write_summary(read_journal(journal), settings, args.kinds, learning_rates, out, parameters))
 

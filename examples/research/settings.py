@@ -99,6 +99,12 @@ class Settings:
     # rule). What a practitioner gives a seed that has not left the plateau: a longer run (the Transformer's seed 3 of
     # the committed report sat at 1/N through its 3000-step cap).
     plateau_max_steps: int | None = None
+    # issue 38's second rule for a seed on the plateau (fixed 2026-11-26, after the Transformer's seed 3 at hidden 64
+    # stayed on the plateau through the extended cap, before any retry ran): a registered run still on the plateau
+    # at `plateau_max_steps` is run once more on the same seed at this factor x its learning rate (what a
+    # practitioner does next: a lower rate), with the same caps, every architecture alike; the retry's record is the
+    # seed's record (None: no retry).
+    plateau_retry_lr_factor: float | None = None
     min_relative_improvement: float = 0.01
     min_absolute_improvement: float = 0.002
     warmup_steps: int = 100
@@ -226,12 +232,14 @@ def gpu_settings() -> Settings:
 
 def comparison_settings(hidden: int = 64) -> Settings:
     """Issue 38's registered comparison (`compare.py`): the CPU default's task, rules and sizes, plus the plateau
-    extension (a run still on the plateau at the 3000-step cap goes on to 6000, every architecture alike). Hidden 64:
+    extension (a run still on the plateau at the 3000-step cap goes on to 6000, every architecture alike) and the
+    plateau retry (a run still on the plateau at 6000 is run again at half its learning rate). Hidden 64:
     2 softmax maps of 64 per layer (the committed report's shape); hidden 128: 4 maps of 64 per layer."""
     return Settings(
         needle_configs=((hidden, 64),),
         attention_heads=2 if hidden == 64 else 4,
         plateau_max_steps=6000,
+        plateau_retry_lr_factor=0.5,
         ablations=(),
         controls=(),
         ablation_config=(hidden, 64),
