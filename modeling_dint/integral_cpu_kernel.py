@@ -10,7 +10,10 @@ restarts it where a document starts, skips padding rows, and normalizes each row
 row, what the cache carries. For requests packed into one row (continuous batching, vLLM) it reads and writes a state
 table in place instead: a row with a `carry_slot` starts from that slot's sum (a continuing request's first row), a row
 with a `store_slot` stores its sum there (a request's last row; with transformers' paged cache, each row that ends a
-block), so no per-row gather and scatter of the state is needed. Its time against the eager ops and DiffLlama's tail:
+block), so no per-row gather and scatter of the state is needed. The eager path gathers every row's state before it
+stores any; the kernel reads in place, which gives the same result because no row of a step stores into a slot that a
+later request of the same step reads (a request reads its own earlier block or slot; transformers' paged cache and
+vLLM both guarantee it: shared blocks are complete, and only the requests' own current blocks are written). Its time against the eager ops and DiffLlama's tail:
 `bench/micro_integral.py`, `bench/results/micro_integral_cpu.md`.
 
 The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 when no gradient is needed, outside
@@ -174,6 +177,17 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
     TORCH_CHECK(carry_slot_tensor.scalar_type() == at::kLong && store_slot_tensor.scalar_type() == at::kLong &&
                     carry_slot_tensor.sizes() == row_flags.sizes() && store_slot_tensor.sizes() == row_flags.sizes(),
                 "carry_slot and store_slot: int64 [B, T]");
+    TORCH_CHECK(state_tensor.device().is_cpu() && carry_slot_tensor.device().is_cpu() &&
+                    store_slot_tensor.device().is_cpu(),
+                "state, carry_slot and store_slot: CPU tensors");
+    const int64_t num_slots = state_tensor.size(0);
+    for (const at::Tensor* slots : {&carry_slot_tensor, &store_slot_tensor}) {  // the eager path's IndexError
+      const int64_t* data = slots->data_ptr<int64_t>();
+      for (int64_t i = 0; i < slots->numel(); ++i) {
+        TORCH_CHECK(data[i] >= -1 && data[i] < num_slots, "slot ", data[i], " out of range for a state of ", num_slots,
+                    " slots (-1: none)");
+      }
+    }
   } else {
     last_sum = at::empty({batch, heads, channels}, signal.options().dtype(at::kFloat));
   }

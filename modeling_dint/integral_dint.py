@@ -589,7 +589,7 @@ class DintIntegral:
 
         Returns:
             `[B, T, heads, C]`: with `head_norm`, the normalized combination in O1's dtype; without, the combination in
-            fp32 (the model's dtype for integral "none"), for a caller that normalizes it itself (vLLM's op).
+            fp32 (the model's dtype for integral "none"), for a caller that normalizes it itself.
         """
         if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
             combined = signal_output - lambda_ * noise_output

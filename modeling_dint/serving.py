@@ -171,7 +171,7 @@ class DintPagedStep:
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
             previous_token = (cu_seq_lens_k[:-1] + positions[request_start] - 1).clamp(min=0, max=read_index.numel() - 1)
             self.carry_blocks = (read_index[previous_token] // allocator.block_physical_stride)[row_request]
-        self.kernel_slots = None  # `integral_state_table`'s rows, built by the first layer that asks
+        self.kernel_blocks = None  # `integral_state_table`'s per-row blocks, built by the first layer that asks
 
     def model_kwargs(self, kwargs: dict) -> dict:
         """The model's keyword arguments for this step: this object as the cache, the step's layout, and the
@@ -204,8 +204,10 @@ class DintPagedStep:
         """For the CPU kernel, which reads and stores the sums in place: the layer's sums per block `[blocks, H/2, C]`
         (fp32, a view of `integral_sums`), and per row `[1, T]` (int64, -1 for none) the block whose sum the row
         starts from (a continuing request's first row: its previous token's block) and the block it stores its sum
-        in (each request's last row, each row that completes a block: as `update_recurrent_state`)."""
-        if self.kernel_slots is None:
+        in (each request's last row, each row that completes a block: as `update_recurrent_state`). No row stores
+        into a block that a later request of the step reads (a request reads its own previous block; shared blocks
+        are complete), so reading in place gives what the eager path's gather before its scatter gives."""
+        if self.kernel_blocks is None:
             num_rows, device = self.store_rows.shape[0], self.store_rows.device
             carry_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
             if self.carry_blocks is not None:
@@ -215,9 +217,9 @@ class DintPagedStep:
                 )
                 carry_slot = torch.where(first_row_of_continuing, self.carry_blocks, carry_slot)
             store_slot = torch.where(self.store_rows, self.store_blocks, -1)
-            self.kernel_slots = (carry_slot[None], store_slot[None])
+            self.kernel_blocks = (carry_slot[None], store_slot[None])
         table = self.allocator.integral_sums[:, self.allocator.layer_slot[layer_idx]]
-        return (table, *self.kernel_slots)
+        return (table, *self.kernel_blocks)
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
         """Stores the running sum after each request's last row and after each block it completes (from

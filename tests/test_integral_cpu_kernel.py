@@ -35,14 +35,24 @@ def eager_integral():
     return Eager()
 
 
-def kernel_calls(monkeypatch) -> list:
+class KernelCalls(list):
+    """The input shape of each kernel call; `with_state_table`: whether each call read and stored a state table
+    (packed requests)."""
+
+    def __init__(self):
+        super().__init__()
+        self.with_state_table = []
+
+
+def kernel_calls(monkeypatch) -> KernelCalls:
     """Counts the calls of the built kernel (fails the test where it was not built)."""
     op = kernel_module.integral_kernel()
     assert op is not None, "the fused CPU integral kernel was not built on a machine with a C++ compiler and ninja"
-    calls = []
+    calls = KernelCalls()
 
     def counted(*args):
         calls.append(args[0].shape)
+        calls.with_state_table.append(len(args) > 9 and args[9] is not None)
         return op(*args)
 
     monkeypatch.setitem(kernel_module._state, "op", counted)
@@ -227,14 +237,33 @@ def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
     assert "left" in caplog.text and "stale" in caplog.text
 
 
+def first_difference(tokens: list, other: list) -> int:
+    """The index of the first token where two generations differ (their length where none does)."""
+    return next((index for index, (a, b) in enumerate(zip(tokens, other)) if a != b), min(len(tokens), len(other)))
+
+
+def assert_same_generations(actual: list, expected: list, dtype: torch.dtype) -> None:
+    """fp32: the same tokens and log-probabilities to 1e-5; bf16: the log-probabilities of every step before the first
+    token that differs within bf16's rounding (later steps follow their own tokens)."""
+    for got, want in zip(actual, expected, strict=True):
+        assert got.prompt_ids == want.prompt_ids
+        if dtype == torch.float32:
+            assert got.generated_tokens == want.generated_tokens
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+        else:
+            same = first_difference(got.generated_tokens, want.generated_tokens) + 1  # the first differing step too
+            torch.testing.assert_close(
+                torch.tensor(got.logprobs[:same]), torch.tensor(want.logprobs[:same]), atol=5e-2, rtol=5e-2
+            )
+
+
 @requires_toolchain
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_continuous_batching_reads_and_stores_each_requests_state_in_place(layout, dtype, eager_integral, monkeypatch):
     """Packed requests (transformers' continuous batching): prompts prefilled in chunks, requests waiting then joining
-    while others decode, sums stored at block ends and at each request's last row. The kernel reads each continuing
-    request's sum from its previous block and stores into its blocks in place (`DintPagedStep.integral_state_table`):
-    the eager integral's tokens (fp32) and log-probabilities, and the same per-block state table."""
+    while others decode. The kernel reads each continuing request's sum from its previous block and stores into its
+    blocks in place (`DintPagedStep.integral_state_table`): the eager integral's tokens (fp32) and log-probabilities."""
     serving_tests = pytest.importorskip("test_serving")  # skipped below transformers 5.24, as continuous batching
     model = serving_tests.serving_model("mean", dtype=dtype, **layout)
     prompts = serving_tests.random_prompts()
@@ -251,11 +280,47 @@ def test_continuous_batching_reads_and_stores_each_requests_state_in_place(layou
     calls = kernel_calls(monkeypatch)
     actual = run()
     assert len(calls) >= model.config.num_hidden_layers * (len(prompts) + serving_tests.NEW_TOKENS)
-    assert all(shape[0] == 1 for shape in calls)  # every call: the requests packed into one row
-    for got, want in zip(actual, expected):
-        assert got.prompt_ids == want.prompt_ids
-        if dtype == torch.float32:
-            assert got.generated_tokens == want.generated_tokens
-            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
-        else:  # bf16: the first token's log-probability within its rounding (later ones follow their own tokens)
-            torch.testing.assert_close(got.logprobs[0], want.logprobs[0], atol=5e-2, rtol=5e-2)
+    assert all(calls.with_state_table)  # every call: the requests packed into one row, their states in the table
+    assert_same_generations(actual, expected, dtype)
+
+
+@requires_toolchain
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_continuous_batching_stores_the_sum_at_each_block_end(layout, eager_integral, monkeypatch):
+    """A prompt prefilled in one chunk that completes three blocks stores the sum after each block's last token, not
+    only after its last row; a second request sharing those blocks (prefix sharing) starts from the third block's
+    sum. Kernel and eager ops: the same tokens, log-probabilities and per-block state table (trash block aside)."""
+    serving_tests = pytest.importorskip("test_serving")
+    model = serving_tests.serving_model("mean", **layout)
+    shared_prefix = serving_tests.random_prompts(lengths=(27,))[0]
+    prompts = [shared_prefix + [5, 6, 7], shared_prefix + [9, 10]]
+
+    def run():
+        manager = model.init_continuous_batching(
+            generation_config=serving_tests.greedy_config(),
+            continuous_batching_config=serving_tests.small_cache(max_batch_tokens=64),  # the prompt in one chunk
+        )
+        manager.start()
+        try:
+            results = []
+            for prompt in prompts:  # one after the other: the second finds the first one's complete blocks
+                request_id = manager.add_request(prompt, max_new_tokens=serving_tests.NEW_TOKENS)
+                results.append(manager.get_result(request_id=request_id, timeout=60))
+            cache = manager.batch_processor.cache
+            assert cache.search_prefix_match("probe", prompts[1]) == 24  # three complete pages of 8 tokens
+            allocator = cache.dint_allocator
+            sums = allocator.integral_sums.clone()
+            trash_block = int(allocator.write_trash_index) // allocator.block_physical_stride
+        finally:
+            manager.stop(block=True, timeout=30)
+        return results, torch.cat([sums[:trash_block], sums[trash_block + 1 :]])
+
+    with eager_integral:
+        expected, expected_sums = run()
+    calls = kernel_calls(monkeypatch)
+    actual, actual_sums = run()
+    assert calls and all(calls.with_state_table)
+    assert_same_generations(actual, expected, torch.float32)
+    assert expected_sums.abs().sum() > 0
+    # sums of up to 37 rows of O(1) values, added in another order (the eager blocked scan): 1e-4
+    torch.testing.assert_close(actual_sums, expected_sums, atol=1e-4, rtol=1e-4)

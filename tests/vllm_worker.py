@@ -12,7 +12,8 @@ count. `drop_integral_state` is the negative control: the integral state is neit
 sees only its own tokens' running sum. `eager_integral`: the integral runs as eager ops, not the fused CPU kernel.
 
 OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n,
-"kernel_built": bool, "kernel_calls": n}}` (the fused CPU integral kernel: built in this process, calls in the run).
+"kernel_built": bool, "kernel_calls": n, "kernel_table_calls": n}}` (the fused CPU integral kernel: built in this
+process, its calls in the run, and those that read and stored the requests' state table).
 """
 
 import contextlib
@@ -47,10 +48,10 @@ def integral_kernel_counted(eager: bool):
     from modeling_dint import integral_cpu_kernel
 
     op = integral_cpu_kernel.integral_kernel()
-    calls = []
+    calls = []  # per call: whether it read and stored a state table (vLLM's requests), not a step without state
 
     def counted(*args):
-        calls.append(args[0].shape)
+        calls.append(len(args) > 9 and args[9] is not None)
         return op(*args)
 
     integral_cpu_kernel._state["op"] = None if eager or op is None else counted
@@ -101,7 +102,7 @@ def main() -> None:
         with integral_state_dropped(run.get("drop_integral_state", False)):
             with integral_kernel_counted(run.get("eager_integral", False)) as (calls, built):
                 results[run["name"]] = run_one(spec["model"], run)
-        results[run["name"]].update(kernel_built=built, kernel_calls=len(calls))
+        results[run["name"]].update(kernel_built=built, kernel_calls=len(calls), kernel_table_calls=sum(calls))
     with open(out_path, "w", encoding="utf-8") as file:
         json.dump(results, file)
 

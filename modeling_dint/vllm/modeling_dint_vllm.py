@@ -161,8 +161,9 @@ class VllmIntegralStep:
     def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's state `[slots, H/2 / tp, C]` (fp32), and per row `[1, T]` (int64, -1 for none) the slot it
         reads before it (a continuing request's first row) and the slot it stores after it (each request's last
-        row)."""
-        return self.state, self.step_rows.carry_slot, self.step_rows.store_slot
+        row). Each request reads and stores its own slot only, so reading in place gives what the eager path's
+        gather before its scatter gives."""
+        return (self.state, *self.step_rows.kernel_slots())
 
 
 class VllmStepRows:
@@ -175,7 +176,8 @@ class VllmStepRows:
         layout (`DintIntegralLayout`): the step's `for_packed_requests` layout.
         slots (`[R]`): each request's state slot. row_request (`[T]`): each row's request. last_rows (`[R]`): each
             request's last row.
-        carry_slot, store_slot (`[1, T]` int64, -1 for none): the slot a row reads before it and stores after it.
+        `kernel_slots()`: for the CPU kernel, the slot a row reads before it and the slot it stores after it (`[1, T]`
+            int64, -1 for none), built on the first call of the step.
     """
 
     def __init__(self, attn_metadata, positions: torch.Tensor):
@@ -185,15 +187,19 @@ class VllmStepRows:
         _, self.row_request, request_start = request_rows
         self.last_rows = cu_seq_lens_q[1:].long() - 1
         self.slots = attn_metadata.state_indices_tensor[: self.last_rows.shape[0]].long()
-        num_rows = positions.shape[0]
-        first_row_of_continuing = (
-            (self.layout.restart_row[0] == torch.arange(num_rows, device=positions.device))
-            & self.layout.in_carried_document[0]
-        )
-        self.carry_slot = torch.where(first_row_of_continuing, self.slots[self.row_request], -1)[None]
-        store_slot = torch.full((num_rows,), -1, dtype=torch.long, device=positions.device)
-        store_slot[self.last_rows] = self.slots
-        self.store_slot = store_slot[None]
+        self._kernel_slots = None
+
+    def kernel_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kernel_slots is None:
+            num_rows, device = self.row_request.shape[0], self.row_request.device
+            first_row_of_continuing = (
+                (self.layout.restart_row[0] == torch.arange(num_rows, device=device)) & self.layout.in_carried_document[0]
+            )
+            carry_slot = torch.where(first_row_of_continuing, self.slots[self.row_request], -1)
+            store_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+            store_slot[self.last_rows] = self.slots
+            self._kernel_slots = (carry_slot[None], store_slot[None])
+        return self._kernel_slots
 
 
 def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: torch.Tensor):
@@ -233,7 +239,8 @@ def integral_output(
         signal_output[None, :num_tokens], noise_output[None, :num_tokens], lambda_, layout, cache, layer.head_norm
     )
     output[:num_tokens] = combined[0]
-    output[num_tokens:] = 0.0
+    if num_tokens < output.shape[0]:
+        output[num_tokens:] = 0.0
 
 
 def _integral_op(
@@ -411,9 +418,9 @@ class DintVllmAttention(nn.Module):
         query, key = self.rotary_emb(positions, query, key)
         signal_output, noise_output, lambda_ = self.differential_outputs(hidden_states, query, key, value)
         if self.config.integral == "none":  # O1 - lambda * O2, as transformers' attention (DiffLlama's arithmetic)
-            combined = self.integral_state.integral(
-                signal_output, noise_output, lambda_, None, head_norm=self.integral_state.head_norm
-            )
+            combined = self.integral_state.integral(signal_output, noise_output, lambda_, None)
+            if self.head_norm is not None:
+                combined = self.head_norm(combined)
         else:  # normalized by the head norm inside the op
             combined = self.integral_state(signal_output, noise_output, lambda_, positions)
         output, _ = self.o_proj(combined.to(hidden_states.dtype).reshape(num_tokens, -1))
