@@ -112,6 +112,11 @@ class DintIntegralLayout:
     inverse_query_count: torch.Tensor | None = None
     kernel_row_flags: torch.Tensor | None = None
 
+    def document_first_rows(self) -> torch.Tensor:
+        """`[B, T]` bool: each document's first row in this call (with `in_carried_document`: where the cache's sums
+        enter; packed requests: each request's first row). Needs `restart_row`."""
+        return self.restart_row == torch.arange(self.restart_row.shape[-1], device=self.restart_row.device)
+
     def row_flags(self, batch_size: int, query_length: int, device: torch.device) -> torch.Tensor:
         """The CPU kernel's flags per row, `[B, T]` uint8 (`integral_cpu_kernel.ROW_VALID | DOCUMENT_START`): the rows
         that count, and the rows where the running sum restarts before adding (a document's first row; row 0 where the
@@ -119,8 +124,7 @@ class DintIntegralLayout:
         from the cache's table after the restart). Computed on the first layer's call, then kept for the others."""
         if self.kernel_row_flags is None:
             if self.restart_row is not None:
-                row_index = torch.arange(query_length, device=device)
-                starts = self.restart_row == row_index
+                starts = self.document_first_rows()
                 if not self.carry_per_row:
                     starts &= ~self.in_carried_document
             else:

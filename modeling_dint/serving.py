@@ -211,10 +211,7 @@ class DintPagedStep:
             num_rows, device = self.store_rows.shape[0], self.store_rows.device
             carry_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
             if self.carry_blocks is not None:
-                first_row_of_continuing = (
-                    (self.layout.restart_row[0] == torch.arange(num_rows, device=device))
-                    & self.layout.in_carried_document[0]
-                )
+                first_row_of_continuing = self.layout.document_first_rows()[0] & self.layout.in_carried_document[0]
                 carry_slot = torch.where(first_row_of_continuing, self.carry_blocks, carry_slot)
             store_slot = torch.where(self.store_rows, self.store_blocks, -1)
             self.kernel_blocks = (carry_slot[None], store_slot[None])

@@ -192,9 +192,7 @@ class VllmStepRows:
     def kernel_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._kernel_slots is None:
             num_rows, device = self.row_request.shape[0], self.row_request.device
-            first_row_of_continuing = (
-                (self.layout.restart_row[0] == torch.arange(num_rows, device=device)) & self.layout.in_carried_document[0]
-            )
+            first_row_of_continuing = self.layout.document_first_rows()[0] & self.layout.in_carried_document[0]
             carry_slot = torch.where(first_row_of_continuing, self.slots[self.row_request], -1)
             store_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
             store_slot[self.last_rows] = self.slots
