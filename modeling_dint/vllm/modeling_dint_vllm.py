@@ -184,7 +184,7 @@ class VllmStepRows:
         cu_seq_lens_q = attn_metadata.query_start_loc
         request_rows = packed_request_rows(positions, cu_seq_lens_q)
         self.layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, request_rows)
-        _, self.row_request, request_start = request_rows
+        self.row_request = request_rows[1]
         self.last_rows = cu_seq_lens_q[1:].long() - 1
         self.slots = attn_metadata.state_indices_tensor[: self.last_rows.shape[0]].long()
         self._kernel_slots = None
