@@ -47,6 +47,7 @@ BLOCK_SIZE = 32  # tokens per KV block (the CPU kernel's multiple) in the prefix
 SHARED_PREFIX_TOKENS = 4 * BLOCK_SIZE + 5  # several full blocks, then a partial one
 PREEMPTION_BLOCKS = 24  # KV blocks of the preemption run (~700 tokens): the 16 requests need ~1100 at once
 ENGINE = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "enable_prefix_caching": False}
+LLAMA_RUN = "llama"  # vLLM's Llama of the test model's shape, the KV-capacity baseline
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -145,6 +146,24 @@ def shared_prefix_prompts() -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory) -> str:
+    """transformers' Llama of the test model's shape (hidden 128, 3 layers, 8 heads over 4 KV heads of 32): the
+    KV-capacity baseline."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dint = DintConfig.from_pretrained(build_checkpoint(str(tmp_path_factory.mktemp("dint_shape"))))
+    config = LlamaConfig(
+        vocab_size=dint.vocab_size, hidden_size=dint.hidden_size, intermediate_size=dint.intermediate_size,
+        num_hidden_layers=dint.num_hidden_layers, num_attention_heads=dint.num_attention_heads,
+        num_key_value_heads=dint.num_key_value_heads, head_dim=dint.head_dim, max_position_embeddings=1024,
+    )
+    directory = str(tmp_path_factory.mktemp("llama_vllm"))
+    LlamaForCausalLM(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
 def reference_model(checkpoint) -> DintForCausalLM:
     return DintForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
@@ -155,7 +174,7 @@ def reference(reference_model, prompts) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vllm_results(checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -> dict:
+def vllm_results(checkpoint, llama_checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -> dict:
     """Every single-process vLLM run of this file, in one worker process (vLLM's import and startup once)."""
     prefix_engine = {**ENGINE, "enable_prefix_caching": True, "block_size": BLOCK_SIZE}
     runs = [
@@ -172,6 +191,7 @@ def vllm_results(checkpoint, prompts, shared_prefix_prompts, tmp_path_factory) -
         },
         {"name": "dropped_state", "engine": ENGINE, "batches": [prompts], "drop_integral_state": True},
         {"name": "bf16", "engine": {**ENGINE, "dtype": "bfloat16"}, "batches": [prompts]},
+        {"name": LLAMA_RUN, "model": llama_checkpoint, "engine": ENGINE, "batches": []},  # KV capacity only
     ]
     for run in runs:
         run.update(max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
@@ -207,6 +227,77 @@ def test_prefix_caching_hits_and_equal(vllm_results, reference_model, shared_pre
         assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
 
 
+def test_same_step_prefix_hits_run_in_waves(vllm_results):
+    """The first batch's four prompts share a prefix and arrive together: vLLM caches a block as soon as a step will
+    fill it, so a request scheduled after the one computing the prefix hits its blocks in the same step, and DINT runs
+    that step's integral in waves (writers first); the equality above covers those requests."""
+    first_batch = vllm_results["prefix"]["requests"][0]
+    assert max(request["num_cached_tokens"] for request in first_batch) >= BLOCK_SIZE
+    assert vllm_results["prefix"]["wave_steps"] > 0
+
+
+def test_kv_capacity_is_llamas_less_the_state_in_each_page(vllm_results, checkpoint):
+    """The integral state lives in the tail of each KV page (no state pool of its own): DINT's capacity in tokens is
+    that of vLLM's Llama of the same shape times page / (page + state), one block's K/V against one (H/2, 2d) fp32
+    sum per layer."""
+    config = DintConfig.from_pretrained(checkpoint)
+    dint_tokens, llama_tokens = vllm_results["default"]["kv_cache_tokens"], vllm_results[LLAMA_RUN]["kv_cache_tokens"]
+    block_size = vllm_results["default"]["block_size"]
+    page_bytes = block_size * 2 * config.num_key_value_heads * config.head_dim * 4  # fp32 K and V of a block
+    state_bytes = config.num_differential_heads * config.differential_head_dim * 4
+    expected = page_bytes / (page_bytes + state_bytes)
+    assert abs(dint_tokens / llama_tokens - expected) < 2e-3, (dint_tokens, llama_tokens, block_size, expected)
+    assert dint_tokens / llama_tokens > 0.99
+
+
+def test_waves_read_what_the_earlier_wave_stored():
+    """A step where request B (first in the packed row) continues from the block request A completes in the same
+    step: with waves, B's output is that of B's whole sequence (A's first block, then B's rows), on the kernel and on
+    the eager ops; without them (one pass in row order) B reads the block's stale tail and differs."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from modeling_dint import integral_cpu_kernel
+    from modeling_dint.integral_dint import DintIntegral
+    from modeling_dint.vllm.modeling_dint_vllm import VllmStepRows, step_integral
+
+    torch.manual_seed(0)
+    block_size, heads, channels = 4, 2, 8
+    # B: positions 4..6 (block 12), after A's first block (block 10); A: positions 0..7 (blocks 10, 11)
+    positions = torch.tensor([4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7])
+    cu_seq_lens_q = torch.tensor([0, 3, 11])
+    row_blocks = torch.tensor([12, 12, 12, 10, 10, 10, 10, 11, 11, 11, 11])
+    previous_blocks = torch.tensor([10, 0])
+    signal, noise = torch.randn(11, heads, channels), torch.randn(11, heads, channels)
+    lambda_ = torch.tensor(0.7)
+    a_sums = signal[3:].cumsum(0)
+    b_sums = a_sums[3] + signal[:3].cumsum(0)
+    sums = torch.cat([b_sums, a_sums])
+    expected = signal - lambda_ * (noise - sums / (positions + 1).float()[:, None, None])
+
+    def run(split_waves: bool) -> torch.Tensor:
+        table = torch.full((16, heads, channels), 1000.0)  # stale tails
+        layer = SimpleNamespace(integral=DintIntegral("mean", layer_idx=0), head_norm=nn.Identity(),
+                                attention=SimpleNamespace(integral_state_table=table))
+        step_rows = VllmStepRows(positions, cu_seq_lens_q, row_blocks, previous_blocks, block_size, split_waves)
+        output = torch.empty_like(signal)
+        with torch.no_grad():
+            step_integral(layer, signal, noise, lambda_, step_rows, output)
+        if split_waves:  # each block's tail: the sum after its last token (A's two blocks, B's partial one)
+            torch.testing.assert_close(table[[10, 11, 12]], torch.stack([a_sums[3], a_sums[7], b_sums[2]]))
+        return output
+
+    op = integral_cpu_kernel.integral_kernel()
+    for kernel in ([None, op] if op is not None else [None]):
+        integral_cpu_kernel._state["op"] = kernel
+        try:
+            torch.testing.assert_close(run(split_waves=True), expected, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(run(split_waves=False)[:3], expected[:3], atol=1e-2)
+        finally:
+            integral_cpu_kernel._state["op"] = op
+
+
 HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
 
 
@@ -219,6 +310,8 @@ def assert_the_kernel_served_every_run_but_the_eager_ones(results: dict) -> None
     with the state table), so the equalities of this file hold for it; `EAGER_RUNS` keep the eager ops covered. The
     dropped-state control runs it without a table."""
     for name, result in results.items():
+        if name == LLAMA_RUN:
+            continue
         assert result["kernel_built"], "the fused CPU integral kernel was not built in vLLM's process"
         if name in EAGER_RUNS:
             assert result["kernel_calls"] == 0, name

@@ -68,30 +68,55 @@ def test_paged_attention_layer():
     assert expected <= parameters(Attention.__init__)
 
 
-def test_state_layer_and_its_metadata():
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionBackend, LinearAttentionMetadata
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+def test_padded_pages_and_the_attention_metadata():
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    assert not dint_vllm.DintIntegralState.__abstractmethods__, "MambaBase has new abstract methods"
-    assert {"get_state_shape", "get_state_dtype", "mamba_type", "bind_kv_cache"} <= set(dir(MambaBase))
-    assert MambaAttentionBackendEnum.LINEAR.get_class() is LinearAttentionBackend
-    fields = {field.name for field in dataclasses.fields(LinearAttentionMetadata)}
-    assert {"num_prefills", "num_decodes", "num_prefill_tokens", "num_decode_tokens", "query_start_loc", "seq_lens",
-            "state_indices_tensor"} <= fields
-    assert LinearAttentionBackend.get_builder_cls().reorder_batch_threshold == 1  # decodes first, one token each
-    copy_functions = MambaStateCopyFuncCalculator.linear_attention_state_copy_func()
-    assert len(copy_functions) == 1 and callable(copy_functions[0])
+    assert issubclass(dint_vllm.DintPagedAttention, Attention)
+    assert {"get_kv_cache_spec", "bind_kv_cache"} <= set(dir(Attention))
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=dint_vllm.torch.float32)
+    padded = dataclasses.replace(spec, page_size_padded=spec.page_size_bytes + 1024)
+    assert padded.page_size_bytes == spec.page_size_bytes + 1024  # what vLLM sizes the pool with
+    fields = {field.name for field in dataclasses.fields(CPUAttentionMetadata)}
+    assert {"num_actual_tokens", "query_start_loc", "block_table", "slot_mapping"} <= fields
+    # manager blocks are the kernel's blocks: slot // block_size is the block of the page the row is written to
+    assert any(size.base == 32 for size in CPUAttentionBackend.get_supported_kernel_block_sizes())
 
 
-def test_hybrid_model_interface():
-    from vllm.model_executor.models.interfaces import has_inner_state, is_hybrid
+@pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
+def test_page_tails_hold_the_state_apart_from_the_kv(layout_name):
+    """vLLM's own views of padded pages (layer-outermost, as on CPU, and block-outermost): each layer's state table
+    views the tails, one per block and layer, none overlapping any K/V or another layer's tail."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    assert is_hybrid(dint_vllm.DintForCausalLM) and has_inner_state(dint_vllm.DintForCausalLM)
-    for method in ("get_mamba_state_shape_from_config", "get_mamba_state_dtype_from_config", "get_mamba_state_copy_func",
-                   "get_mamba_state_copy_funcs"):
-        assert callable(getattr(dint_vllm.DintForCausalLM, method)), method
+    state_shape, num_blocks, num_layers = (4, 64), 5, 2
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    page = spec.page_size_bytes + 4 * state_shape[0] * state_shape[1]
+    spec = dataclasses.replace(spec, page_size_padded=page)
+    layout = KVCacheLayout[layout_name]
+    block_outermost = layout_name.startswith("B")
+    tensor = KVCacheTensor(
+        size=page * num_blocks * num_layers, layers=["a", "b"],
+        layer_stride=page if block_outermost else page * num_blocks,
+        block_stride=page * num_layers if block_outermost else page,
+    )
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
+    tables = [dint_vllm.page_tail_state_table(view, state_shape, page) for view in views]
+    for layer, table in enumerate(tables):
+        assert table.shape == (num_blocks, *state_shape)
+        table.copy_(torch.arange(num_blocks, dtype=torch.float32)[:, None, None] + 10 * (layer + 1))
+    assert all(bool((view == 0).all()) for view in views)
+    for view in views:
+        view.fill_(-1.0)
+    for layer, table in enumerate(tables):
+        assert torch.equal(table[:, 0, 0], torch.arange(num_blocks, dtype=torch.float32) + 10 * (layer + 1))
+    assert int((raw.view(torch.float32) != -1.0).sum()) == num_layers * num_blocks * state_shape[0] * state_shape[1]
+    with pytest.raises(RuntimeError, match="no such tail"):
+        dint_vllm.page_tail_state_table(views[0], (4, 128), page)
 
 
 def test_custom_op_and_compilation():
@@ -161,17 +186,13 @@ SOURCE_INTERNALS = [
     ("model_executor/models/llama.py", "LlamaModel", {"hf_to_vllm_mapper", "embed_input_ids", "load_weights"}),
     ("model_executor/layers/attention/attention.py", "Attention.__init__",
      {"num_heads", "head_size", "scale", "num_kv_heads", "cache_config", "quant_config", "prefix"}),
-    ("model_executor/layers/mamba/abstract.py", "MambaBase",
-     {"get_state_shape", "get_state_dtype", "mamba_type", "bind_kv_cache", "get_kv_cache_spec"}),
-    ("v1/attention/backends/linear_attn.py", "LinearAttentionMetadata",
-     {"num_prefills", "num_prefill_tokens", "num_decodes", "num_decode_tokens", "query_start_loc", "seq_lens",
-      "state_indices_tensor"}),
-    ("v1/attention/backends/linear_attn.py", "LinearAttentionMetadataBuilder", {"reorder_batch_threshold", "build"}),
-    ("v1/attention/backends/registry.py", "MambaAttentionBackendEnum", {"LINEAR"}),
-    ("model_executor/models/interfaces.py", "IsHybrid",
-     {"is_hybrid", "get_mamba_state_shape_from_config", "get_mamba_state_copy_func", "get_mamba_state_copy_funcs"}),
-    ("model_executor/models/interfaces.py", "HasInnerState", {"has_inner_state"}),
-    ("model_executor/layers/mamba/mamba_utils.py", "MambaStateCopyFuncCalculator", {"linear_attention_state_copy_func"}),
+    ("model_executor/layers/attention_layer_base.py", "AttentionLayerBase", {"bind_kv_cache", "get_kv_cache_spec"}),
+    ("v1/kv_cache_interface.py", "AttentionSpec", {"page_size_padded", "page_size_bytes"}),
+    ("v1/kv_cache_interface.py", "create_kv_cache_views", {"raw", "spec", "num_blocks", "layout", "kv_cache_tensor"}),
+    ("v1/attention/backends/cpu_attn.py", "CPUAttentionMetadata",
+     {"num_actual_tokens", "query_start_loc", "block_table", "slot_mapping"}),
+    ("v1/attention/backends/flash_attn.py", "FlashAttentionMetadata",
+     {"num_actual_tokens", "query_start_loc", "block_table", "slot_mapping"}),
     ("config/compilation.py", "CompilationConfig", {"_attention_ops"}),
     ("forward_context.py", "ForwardContext", {"attn_metadata", "no_compile_layers"}),
     ("forward_context.py", "get_forward_context", set()),

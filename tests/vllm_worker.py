@@ -4,16 +4,17 @@
     python tests/vllm_worker.py RUNS.json OUT.json
 
 RUNS.json: `{"model": DIR, "runs": [{"name": ..., "engine": {LLM kwargs}, "batches": [[token ids, ...], ...],
-"max_tokens": N, "logprobs": K, "drop_integral_state": bool}, ...]}`. Each run builds one `vllm.LLM` (in this
-process where `VLLM_ENABLE_V1_MULTIPROCESSING=0`), generates greedily for each batch of prompts in turn (a later batch
-can hit the prefix cache the earlier ones filled), and records per request the generated token ids, the top-K
-log-probabilities of each step, and the prompt tokens served from the prefix cache; per run the engine's preemption
-count. `drop_integral_state` is the negative control: the integral state is neither read nor written, so each step
+"max_tokens": N, "logprobs": K, "drop_integral_state": bool, "model": DIR (optional: another checkpoint)}, ...]}`.
+Each run builds one `vllm.LLM` (in this process where `VLLM_ENABLE_V1_MULTIPROCESSING=0`), generates greedily for
+each batch of prompts in turn (a later batch can hit the prefix cache the earlier ones filled), and records per request
+the generated token ids, the top-K log-probabilities of each step, and the prompt tokens served from the prefix cache;
+per run the engine's preemption count. `drop_integral_state` is the negative control: the integral state is neither read nor written, so each step
 sees only its own tokens' running sum. `eager_integral`: the integral runs as eager ops, not the fused CPU kernel.
 
 OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n,
-"kernel_built": bool, "kernel_calls": n, "kernel_table_calls": n}}` (the fused CPU integral kernel: built in this
-process, its calls in the run, and those that read and stored the requests' state table).
+"kv_cache_tokens": n, "block_size": n, "kernel_built": bool, "kernel_calls": n, "kernel_table_calls": n, "wave_steps": n}}` (the KV
+cache's capacity in tokens; the fused CPU integral kernel: built in this process, its calls in the run, and those that
+read and stored the requests' state table; the steps whose integral ran in waves).
 """
 
 import contextlib
@@ -30,9 +31,8 @@ def integral_state_dropped(dropped: bool):
 
     original = modeling_dint_vllm.vllm_integral_step
 
-    def step_without_state(layer, attn_metadata, positions):
-        layout, _ = original(layer, attn_metadata, positions)
-        return layout, None
+    def step_without_state(layer, step_rows):
+        return None
 
     if dropped:
         modeling_dint_vllm.vllm_integral_step = step_without_state
@@ -61,6 +61,27 @@ def integral_kernel_counted(eager: bool):
         integral_cpu_kernel._state["op"] = op
 
 
+@contextlib.contextmanager
+def waves_counted():
+    """Counts the steps whose integral ran in waves (a request continuing from a block another request of the same
+    step completes: `VllmStepRows.waves`)."""
+    from modeling_dint.vllm import modeling_dint_vllm
+
+    original = modeling_dint_vllm.VllmStepRows._waves
+    steps = []
+
+    def counted(*args, **kwargs):
+        waves = original(*args, **kwargs)
+        steps.append(len(waves))
+        return waves
+
+    modeling_dint_vllm.VllmStepRows._waves = staticmethod(counted)
+    try:
+        yield steps
+    finally:
+        modeling_dint_vllm.VllmStepRows._waves = staticmethod(original)
+
+
 def preemption_count(llm) -> int:
     return int(sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"))
 
@@ -87,7 +108,13 @@ def run_one(model: str, run: dict) -> dict:
                 for output in outputs
             ]
         )
-    result = {"requests": batches, "preemptions": preemption_count(llm)}
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    result = {
+        "requests": batches,
+        "preemptions": preemption_count(llm),
+        "kv_cache_tokens": cache_config.num_gpu_blocks * cache_config.block_size,
+        "block_size": cache_config.block_size,
+    }
     del llm
     gc.collect()
     return result
@@ -99,10 +126,12 @@ def main() -> None:
         spec = json.load(file)
     results = {}
     for run in spec["runs"]:
-        with integral_state_dropped(run.get("drop_integral_state", False)):
+        with integral_state_dropped(run.get("drop_integral_state", False)), waves_counted() as wave_steps:
             with integral_kernel_counted(run.get("eager_integral", False)) as (calls, built):
-                results[run["name"]] = run_one(spec["model"], run)
-        results[run["name"]].update(kernel_built=built, kernel_calls=len(calls), kernel_table_calls=sum(calls))
+                results[run["name"]] = run_one(run.get("model", spec["model"]), run)
+        results[run["name"]].update(
+            kernel_built=built, kernel_calls=len(calls), kernel_table_calls=sum(calls), wave_steps=len(wave_steps)
+        )
     with open(out_path, "w", encoding="utf-8") as file:
         json.dump(results, file)
 

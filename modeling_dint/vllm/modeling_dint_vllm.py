@@ -27,20 +27,26 @@ larger). q/k/v rows are permuted at load so that each tensor-parallel rank holds
 2i (signal) and 2i+1 (noise) in one GQA group; O1, O2 are the even and odd heads of one call; lambda =
 sigmoid(lambda_proj(x)) per token and head; no head norm. The cache and the kernels are Llama's.
 
-**The integral state.** The running sum S of O1, `(H/2, C)` fp32 per request and layer (C = 2d for v1, d for v2),
-lives in vLLM's state framework for Mamba and linear-attention layers (`DintIntegralState`, a `MambaBase` with the
-linear-attention backend's metadata): a slot per request (`state_indices_tensor`), carried through decoding and
-chunked prefill; with prefix caching (`mamba_cache_mode="align"`, which vLLM selects) vLLM checkpoints it at block
-boundaries and copies it with the shared blocks. A request whose context is empty (new, or recomputed after
-preemption) starts from zero. The count is the position + 1. The step's layout (which rows belong to which request)
-is built once per step for all layers.
+**The integral state: in the tail of each KV page.** The running sum S of O1, `(H/2, C)` fp32 per layer (C = 2d for
+v1, d for v2), is kept per KV block, as dint-serve keeps it (`serving.py`): each page (one block of one layer) is Llama's
+page plus `H/2 x C` fp32 bytes (`DintPagedAttention`: `page_size_padded`), which hold the sum after the last token
+written in the block. Each row that completes a block, and each request's last row of the step, stores its sum in its
+block's tail; a request that continues (its first row is past position 0) reads the tail of the block that holds its
+previous token. So the state is allocated, freed, shared by prefix caching (a full block's tail holds the sum after the
+shared prefix; vLLM's hits end on block boundaries) and dropped by preemption (recomputed from position 0) with the
+blocks, no state pool of its own: the KV capacity is Llama's times `page / (page + state)`. vLLM caches a block as
+soon as a step will fill it, so a request can hit a block that another request of the same step completes; that step
+runs the integral in waves, the writers first (`VllmStepRows.waves`). The count is the position + 1. The step's rows
+(which rows belong to which request, where each reads and stores) are built once per step for all layers.
 
 Every vLLM internal this file uses is listed in `VLLM_INTERNALS`; `tests/test_vllm_internals.py` checks each of them
 against the installed vLLM and fails loudly when one changes. Written for `WRITTEN_FOR_VLLM`.
 """
 
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import partial
+from math import prod
 
 import torch
 from torch import nn
@@ -52,17 +58,12 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..configuration_dint import DintConfig
 from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
@@ -81,15 +82,14 @@ VLLM_INTERNALS = {
     "max_position_embeddings, quant_config, bias, bias_o_proj, cache_config, prefix, attn_type)",
     "model_executor.layers.attention.Attention(num_heads, head_size, scale, num_kv_heads, cache_config, "
     "quant_config, prefix)": "the paged attention of the KV head pairs",
-    "model_executor.layers.mamba.abstract.MambaBase (get_state_shape, get_state_dtype, mamba_type, kv_cache)":
-    "the integral state's layer",
-    "v1.attention.backends.registry.MambaAttentionBackendEnum.LINEAR": "its metadata: LinearAttentionMetadata",
-    "v1.attention.backends.linear_attn.LinearAttentionMetadata (num_decodes, query_start_loc, seq_lens, "
-    "state_indices_tensor, num_prefill_tokens, num_decode_tokens)": "each request's tokens and state slot",
-    "model_executor.models.interfaces.IsHybrid (get_mamba_state_shape_from_config, "
-    "get_mamba_state_dtype_from_config, get_mamba_state_copy_func)": "state sizing and prefix-caching copies",
-    "model_executor.layers.mamba.mamba_utils.MambaStateCopyFuncCalculator.linear_attention_state_copy_func":
-    "copies the whole state of a block (prefix caching, align mode)",
+    "model_executor.layers.attention.Attention.get_kv_cache_spec(vllm_config) -> FullAttentionSpec "
+    "(page_size_bytes, page_size_padded, block_size)": "each page padded by the integral state (DintPagedAttention)",
+    "model_executor.layers.attention.Attention.bind_kv_cache(kv_cache)": "the layer's KV view `[blocks, heads, "
+    "block_size, channels]`, each page's content dense at its start, the padding after it: the state table's view",
+    "v1.attention metadata of the attention layer (query_start_loc, slot_mapping, block_table, num_actual_tokens)":
+    "each request's rows, the block each row is written to, the block holding each request's previous token",
+    "v1.core.kv_cache_manager: prefix-cache hits end on block boundaries; a block is cached once a step will fill it":
+    "why a block's tail is the state a hit continues from, and why a step can need waves",
     "config.compilation.CompilationConfig._attention_ops": "the integral op splits compiled graphs (as vLLM's own "
     "state ops), so that a CUDA graph never captures its per-request Python",
     "forward_context.get_forward_context() (attn_metadata, no_compile_layers)": "the step's metadata in the op",
@@ -109,7 +109,7 @@ INTEGRAL_OP = "dint_integral_running_sum"
 
 
 def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
-    """One request's integral state in one layer: the running sum of O1, `(H/2 / tp, C)`, C =
+    """One integral state of one layer (kept per KV block): the running sum of O1, `(H/2 / tp, C)` fp32, C =
     `config.differential_head_dim` (v1: 2d, v2: d)."""
     return (config.num_differential_heads // tp_size, config.differential_head_dim)
 
@@ -138,75 +138,145 @@ def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list
     return query_heads, kv_heads
 
 
-class VllmIntegralStep:
-    """The cache `DintIntegral` sees in one vLLM step, for one layer: each request's slot of the layer's integral state,
-    read per query row (`carry_per_row` of `DintIntegralLayout.for_packed_requests`) and written after the request's
-    last row of the step. The recurrent-state methods of transformers' caches, on vLLM's state framework; and, for the
-    CPU kernel, the state table with the rows where each request reads and stores its slot
-    (`integral_state_table`)."""
-
-    def __init__(self, state: torch.Tensor, step_rows: "VllmStepRows"):
-        self.state, self.step_rows = state, step_rows
-        self.slots, self.row_request, self.last_rows = step_rows.slots, step_rows.row_request, step_rows.last_rows
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        """`[1, T, H/2 / tp, C]`: the state each row's request carries from its earlier steps."""
-        return self.state[self.slots[self.row_request]][None]
-
-    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
-        """Stores each request's running sum after its last row (`running_rows` `[1, T, H/2 / tp, C]`)."""
-        self.state[self.slots] = running_rows[0, self.last_rows]
-        return recurrent_states
-
-    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's state `[slots, H/2 / tp, C]` (fp32), and per row `[1, T]` (int64, -1 for none) the slot it
-        reads before it (a continuing request's first row) and the slot it stores after it (each request's last
-        row). Each request reads and stores its own slot only, so reading in place gives what the eager path's
-        gather before its scatter gives."""
-        return (self.state, *self.step_rows.kernel_slots())
-
-
 class VllmStepRows:
-    """What one vLLM step's rows are, the same for every DINT layer (built once per step, kept on vLLM's metadata
-    object of the step): the requests packed into one row, decodes first, request r owning rows
-    query_start_loc[r]:query_start_loc[r+1]; a request whose first row is at position 0 (new, or recomputed after
-    preemption) starts from zero.
+    """What one vLLM step's rows are, the same for every DINT layer (built once per step by `vllm_step_rows`): the
+    requests packed into one row, request r owning rows `cu_seq_lens_q[r]:cu_seq_lens_q[r + 1]`; a request whose first
+    row is at position 0 (new, or recomputed after preemption) starts from zero, one past it continues from the state
+    in the tail of the block that holds its previous token.
+
+    Args:
+        positions (`[T]`): each row's position in its request.
+        cu_seq_lens_q (`[R + 1]`): where each request starts in the row.
+        row_blocks (`[T]`): the KV block each row is written to (vLLM's slot mapping // block size).
+        previous_blocks (`[R]`): the block holding each request's token before its first row of the step (any valid
+            block for a request at position 0: not read).
+        block_size (`int`): tokens per KV block.
+        split_waves (`bool`): whether to look for requests that continue from a block another request of the step
+            completes (the step's own; not the waves', which have none).
+        one_row_each (`bool`): every request has one row (a decoding step, R = T): request r is row r, which reads its
+            carry and stores its sum; no waves (a decoding request continues from a block that was complete, or its
+            own, before the step).
 
     Attributes:
         layout (`DintIntegralLayout`): the step's `for_packed_requests` layout.
-        slots (`[R]`): each request's state slot. row_request (`[T]`): each row's request. last_rows (`[R]`): each
-            request's last row.
-        `kernel_slots()`: for the CPU kernel, the slot a row reads before it and the slot it stores after it (`[1, T]`
-            int64, -1 for none), built on the first call of the step.
+        carry_blocks (`[T]`): per row, the block its request continues from.
+        store_rows, store_blocks (`[S]`): the rows that store their running sum (each request's last row and each row
+            that completes a block) and the block each stores it in.
+        waves (`list[tuple[torch.Tensor, VllmStepRows]]` or None): None, or when a request continues from a block that
+            another request of the step completes (vLLM caches a block as soon as a step will fill it, so a request
+            scheduled after its writer can hit it), the rows of each wave and their own step rows: requests whose
+            blocks are read first, so that each wave reads tails the earlier ones stored.
+        `kernel_slots()`: for the CPU kernel, per row the block it reads before it and the block it stores after it
+            (`[1, T]` int64, -1 for none), built on the first call of the step.
     """
 
-    def __init__(self, attn_metadata, positions: torch.Tensor):
-        cu_seq_lens_q = attn_metadata.query_start_loc
+    def __init__(
+        self, positions, cu_seq_lens_q, row_blocks, previous_blocks, block_size: int, split_waves=True, one_row_each=False
+    ):
+        self._kernel_slots = None
+        self.waves = None
+        if one_row_each:
+            positions, rows = positions.long(), torch.arange(positions.shape[0], device=positions.device)
+            self.layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, (positions, rows, rows))
+            self.store_rows, self.store_blocks, self.carry_blocks = rows, row_blocks.long(), previous_blocks.long()
+            return
         request_rows = packed_request_rows(positions, cu_seq_lens_q)
         self.layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, request_rows)
-        self.row_request = request_rows[1]
-        self.last_rows = cu_seq_lens_q[1:].long() - 1
-        self.slots = attn_metadata.state_indices_tensor[: self.last_rows.shape[0]].long()
-        self._kernel_slots = None
+        positions, row_request, request_start = request_rows
+        num_rows, device = positions.shape[0], positions.device
+        last_rows = (cu_seq_lens_q[1:].long() - 1).clamp(min=0, max=num_rows - 1)
+        stores = (positions + 1) % block_size == 0
+        stores[last_rows] = True
+        self.store_rows = stores.nonzero()[:, 0]
+        self.store_blocks = row_blocks[self.store_rows].long()
+        previous_blocks = previous_blocks.long()
+        self.carry_blocks = previous_blocks[row_request]
+        if split_waves:
+            continuing = positions[request_start] > 0
+            writer_of = (self.store_blocks[None, :] == previous_blocks[:, None]) & continuing[:, None]
+            writer_of &= row_request[self.store_rows][None, :] != torch.arange(len(previous_blocks), device=device)[:, None]
+            if bool(writer_of.any()):
+                self.waves = self._waves(writer_of, row_request[self.store_rows], positions, cu_seq_lens_q.long(),
+                                         row_blocks, previous_blocks, block_size)
+
+    @staticmethod
+    def _waves(writer_of, store_request, positions, cu_seq_lens_q, row_blocks, previous_blocks, block_size):
+        """The step's requests in waves (request r after the request that completes the block r continues from),
+        each wave's rows `[T_w]` and its `VllmStepRows`."""
+        num_requests = writer_of.shape[0]
+        writer = [store_request[row].item() if row.numel() else None for row in (r.nonzero()[:, 0] for r in writer_of)]
+        wave = [0] * num_requests
+        for _ in range(num_requests):  # a chain of writers is at most as long as the step's requests
+            wave = [0 if writer[r] is None else wave[writer[r]] + 1 for r in range(num_requests)]
+        starts = cu_seq_lens_q.tolist()
+        waves = []
+        for index in range(max(wave) + 1):
+            requests = [r for r in range(num_requests) if wave[r] == index]
+            rows = torch.cat([torch.arange(starts[r], starts[r + 1], device=positions.device) for r in requests])
+            lengths = torch.tensor([starts[r + 1] - starts[r] for r in requests], device=positions.device)
+            wave_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+            waves.append((rows, VllmStepRows(positions[rows], wave_starts, row_blocks[rows],
+                                             previous_blocks[requests], block_size, split_waves=False)))
+        return waves
 
     def kernel_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._kernel_slots is None:
-            num_rows, device = self.row_request.shape[0], self.row_request.device
             first_row_of_continuing = self.layout.document_first_rows()[0] & self.layout.in_carried_document[0]
-            carry_slot = torch.where(first_row_of_continuing, self.slots[self.row_request], -1)
-            store_slot = torch.full((num_rows,), -1, dtype=torch.long, device=device)
-            store_slot[self.last_rows] = self.slots
+            carry_slot = torch.where(first_row_of_continuing, self.carry_blocks, -1)
+            store_slot = torch.full_like(carry_slot, -1)
+            store_slot[self.store_rows] = self.store_blocks
             self._kernel_slots = (carry_slot[None], store_slot[None])
         return self._kernel_slots
 
 
-def vllm_integral_step(layer: "DintIntegralState", attn_metadata, positions: torch.Tensor):
-    """The step's `DintIntegralLayout` and the layer's `VllmIntegralStep`, from the step's `VllmStepRows` (built by the
-    first DINT layer of the step)."""
+def vllm_step_rows(attn_metadata, positions: torch.Tensor, block_size: int) -> VllmStepRows:
+    """The step's `VllmStepRows` from the attention's metadata (built by the first DINT layer of the step, kept on the
+    metadata, which vLLM shares between the layers of one KV cache group). `positions` `[T]`: the step's real rows."""
     step_rows = getattr(attn_metadata, "_dint_step", None)
     if step_rows is None:
-        step_rows = attn_metadata._dint_step = VllmStepRows(attn_metadata, positions)
-    return step_rows.layout, VllmIntegralStep(layer.kv_cache[0], step_rows)
+        num_rows, num_requests = positions.shape[0], attn_metadata.query_start_loc.shape[0] - 1
+        one_row_each = num_rows == num_requests and attn_metadata.max_query_len == 1
+        cu_seq_lens_q = attn_metadata.query_start_loc.long()
+        first_positions = positions if one_row_each else positions[cu_seq_lens_q[:-1].clamp(max=max(num_rows - 1, 0))]
+        requests = torch.arange(num_requests, device=positions.device)
+        previous_blocks = attn_metadata.block_table[requests, (first_positions.long() - 1).clamp(min=0) // block_size]
+        row_blocks = attn_metadata.slot_mapping[:num_rows].long() // block_size
+        step_rows = attn_metadata._dint_step = VllmStepRows(
+            positions, cu_seq_lens_q, row_blocks, previous_blocks, block_size, one_row_each=one_row_each
+        )
+    return step_rows
+
+
+class VllmIntegralStep:
+    """The cache `DintIntegral` sees in one vLLM step (or wave), for one layer: the recurrent-state methods of
+    transformers' caches over the layer's per-block states (`DintPagedAttention.integral_state_table`): each row reads
+    the state of the block its request continues from, and the rows of `step_rows.store_rows` store theirs; for the
+    CPU kernel, the table with the rows where each request reads and stores (`integral_state_table`)."""
+
+    def __init__(self, state_table: torch.Tensor, step_rows: VllmStepRows):
+        self.state_table, self.step_rows = state_table, step_rows
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        """`[1, T, H/2 / tp, C]`: the state each row's request carries from its earlier steps."""
+        return self.state_table[self.step_rows.carry_blocks][None]
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
+        """Stores the running sum (`running_rows` `[1, T, H/2 / tp, C]`) of each storing row in its block's tail."""
+        self.state_table[self.step_rows.store_blocks] = running_rows[0, self.step_rows.store_rows]
+        return recurrent_states
+
+    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's states `[blocks, H/2 / tp, C]` (fp32), and per row `[1, T]` (int64, -1 for none) the block it
+        reads before it (a continuing request's first row) and the block it stores after it. No row stores into a block
+        that another request of the step (or wave) reads (a request reads its own block, or a complete one that no row
+        of the step writes: `VllmStepRows.waves`), so reading in place gives what the eager path's gather before its
+        scatter gives."""
+        return (self.state_table, *self.step_rows.kernel_slots())
+
+
+def vllm_integral_step(layer: "DintIntegralState", step_rows: VllmStepRows) -> VllmIntegralStep:
+    """The layer's cache object for `step_rows` (the negative control of the tests replaces it by one without state)."""
+    return VllmIntegralStep(layer.attention.integral_state_table, step_rows)
 
 
 def integral_output(
@@ -219,26 +289,58 @@ def integral_output(
 ) -> None:
     """Writes into `output` `[T, H/2 / tp, C]` (O1's dtype) the package's `DintIntegral` of the step (the code
     transformers' attention runs): `head_norm(O1 - lambda * (O2 - S / c))` with S each request's running sum of O1, its
-    state carried from earlier steps; stores each request's new state. Rows vLLM pads the batch with get 0."""
+    state carried from earlier steps in the tails of its KV pages; stores the new states. Rows vLLM pads the batch
+    with get 0."""
     attn_metadata = get_forward_context().attn_metadata
+    if isinstance(attn_metadata, list):  # speculative decoding: the base model's metadata first
+        attn_metadata = attn_metadata[0]
     if isinstance(attn_metadata, dict):
-        attn_metadata = attn_metadata.get(layer.prefix)
+        attn_metadata = attn_metadata.get(layer.attention.layer_name)
     if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state; one document
         num_tokens = signal_output.shape[0]
         layout = DintIntegralLayout.for_packed_requests(positions, positions.new_tensor([0, num_tokens]))
-        cache = None
-    else:
-        assert isinstance(attn_metadata, LinearAttentionMetadata)
-        num_tokens = attn_metadata.num_decode_tokens + attn_metadata.num_prefill_tokens
-        layout, cache = vllm_integral_step(layer, attn_metadata, positions[:num_tokens])
-    if lambda_.dim() > 0:  # v2: [T, H/2, 1]
-        lambda_ = lambda_[:num_tokens][None]
-    combined = layer.integral(
-        signal_output[None, :num_tokens], noise_output[None, :num_tokens], lambda_, layout, cache, layer.head_norm
-    )
-    output[:num_tokens] = combined[0]
+        output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, None, layer.head_norm)[0]
+        return
+    num_tokens = attn_metadata.num_actual_tokens
+    step_rows = vllm_step_rows(attn_metadata, positions[:num_tokens], layer.attention.integral_block_size)
+    step_integral(layer, signal_output, noise_output, lambda_, step_rows, output)
     if num_tokens < output.shape[0]:
         output[num_tokens:] = 0.0
+
+
+def step_integral(
+    layer: "DintIntegralState",
+    signal_output: torch.Tensor,
+    noise_output: torch.Tensor,
+    lambda_: torch.Tensor,
+    step_rows: VllmStepRows,
+    output: torch.Tensor,
+) -> None:
+    """Writes into `output` the integral of the step's rows `step_rows` (arguments as `integral_output`'s), wave by
+    wave where the step has waves, each wave reading the block tails the earlier ones stored."""
+    if step_rows.waves is None:
+        num_tokens = step_rows.carry_blocks.shape[0]
+        if num_tokens < signal_output.shape[0]:
+            signal_output, noise_output = signal_output[:num_tokens], noise_output[:num_tokens]
+            lambda_, output = (lambda_[:num_tokens] if lambda_.dim() > 0 else lambda_), output[:num_tokens]
+        parts = [(None, step_rows)]
+    else:
+        parts = step_rows.waves
+    for rows, part in parts:
+        part_signal, part_noise, part_lambda = signal_output, noise_output, lambda_  # [T, H/2, C], lambda [T, H/2, 1]
+        if rows is not None:
+            part_signal, part_noise = signal_output[rows], noise_output[rows]
+            part_lambda = lambda_[rows] if lambda_.dim() > 0 else lambda_
+        if part_lambda.dim() > 0:
+            part_lambda = part_lambda.unsqueeze(0)
+        combined = layer.integral(
+            part_signal.unsqueeze(0), part_noise.unsqueeze(0), part_lambda, part.layout, vllm_integral_step(layer, part),
+            layer.head_norm,
+        )
+        if rows is None:
+            output.copy_(combined[0])
+        else:
+            output[rows] = combined[0]
 
 
 def _integral_op(
@@ -263,16 +365,78 @@ if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
     CompilationConfig._attention_ops.append(f"vllm::{INTEGRAL_OP}")
 
 
-class DintIntegralState(MambaBase, nn.Module):
-    """The integral state of one DINT layer in vLLM's state framework: per request, the running sum of the signal
-    outputs O1, `(H/2 / tp, C)` fp32 (`kv_cache[0]` is `[slots, H/2 / tp, C]`), and the package's `DintIntegral`.
-    `head_norm` is the attention's head norm (or `nn.Identity`), held, not registered: its weight is the attention's
-    `head_norm.weight` (`use_head_norm`)."""
+def page_tail_state_table(kv_cache: torch.Tensor, state_shape: tuple[int, int], page_bytes: int) -> torch.Tensor:
+    """The integral states of one layer, `[blocks, H/2 / tp, C]` fp32: a view of the tail of each page of the layer's
+    KV cache `kv_cache` `[blocks, heads, block_size, channels]` (vLLM's view of padded pages of `page_bytes` bytes:
+    each page's K/V dense at its start, in any order of heads and tokens; the state right after them)."""
+    element = kv_cache.element_size()
+    content = prod(kv_cache.shape[1:])
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(kv_cache.shape[1:], kv_cache.stride()[1:]))
+    state_bytes = prod(state_shape) * 4
+    start_bytes = kv_cache.storage_offset() * element + content * element
+    if (
+        extent != content
+        or content * element + state_bytes > page_bytes
+        or kv_cache.stride(0) * element < page_bytes
+        or kv_cache.stride(0) * element % 4
+        or start_bytes % 4
+    ):
+        raise RuntimeError(
+            f"DINT keeps its integral state ({state_bytes} bytes per block) in the tail of each KV page of "
+            f"{page_bytes} bytes; vLLM bound a KV cache of shape {tuple(kv_cache.shape)} and strides "
+            f"{kv_cache.stride()} ({content * element} bytes of K/V per block) that leaves no such tail: vLLM changed "
+            f"how it lays out padded pages (this module was read in vLLM {WRITTEN_FOR_VLLM})."
+        )
+    table = torch.empty(0, dtype=torch.float32, device=kv_cache.device)
+    return table.set_(
+        kv_cache.untyped_storage(),
+        start_bytes // 4,
+        (kv_cache.shape[0], *state_shape),
+        (kv_cache.stride(0) * element // 4, state_shape[1], 1),
+    )
+
+
+class DintPagedAttention(Attention):
+    """vLLM's paged attention, each page of which (one KV block of one layer) ends with the layer's integral state:
+    the running sum of O1 after the last token written in the block, `integral_state_shape` `(H/2 / tp, C)` fp32
+    (`page_size_padded`: the page vLLM's attention needs plus the state). Once vLLM binds the cache,
+    `integral_state_table` `[blocks, H/2 / tp, C]` views those tails and `integral_block_size` is the tokens per block.
+    Without a state (integral "none") it is vLLM's `Attention`."""
+
+    def __init__(self, *args, integral_state_shape: tuple[int, int] | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.integral_state_shape = integral_state_shape
+        self.integral_state_table: torch.Tensor | None = None
+        self.integral_block_size: int | None = None
+        self.integral_page_bytes: int | None = None
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if self.integral_state_shape is None:
+            return spec
+        if spec.page_size_padded is not None:
+            raise RuntimeError(f"vLLM padded the KV pages of {self.layer_name} already ({spec.page_size_padded} bytes)")
+        self.integral_page_bytes = spec.page_size_bytes + 4 * prod(self.integral_state_shape)
+        return replace(spec, page_size_padded=self.integral_page_bytes)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        super().bind_kv_cache(kv_cache)
+        if self.integral_state_shape is not None:
+            self.integral_state_table = page_tail_state_table(
+                self.kv_cache, self.integral_state_shape, self.integral_page_bytes
+            )
+            self.integral_block_size = self.kv_cache.shape[2]
+
+
+class DintIntegralState(nn.Module):
+    """The integral of one DINT layer on vLLM: the package's `DintIntegral` over the per-block states of the layer's
+    `DintPagedAttention`, run by the integral op (registered by name, so that the op finds it). `attention` and
+    `head_norm` (the attention's head norm, or `nn.Identity`) are held, not registered: their weights are the
+    attention's (`use_head_norm`)."""
 
     def __init__(self, config: DintConfig, vllm_config: VllmConfig, prefix: str):
-        nn.Module.__init__(self)
+        super().__init__()
         self.prefix = prefix
-        self.state_shape = integral_state_shape(config, get_tensor_model_parallel_world_size())
         self.integral = DintIntegral(config.integral, layer_idx=extract_layer_index(prefix))
         self.use_head_norm(None)
         static_forward_context = vllm_config.compilation_config.static_forward_context
@@ -280,20 +444,14 @@ class DintIntegralState(MambaBase, nn.Module):
             raise ValueError(f"Duplicate layer name: {prefix}")
         static_forward_context[prefix] = self
 
-    @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.LINEAR
-
     def use_head_norm(self, head_norm: nn.Module | None) -> None:
         """The op normalizes with the attention's `head_norm` (None: none): kept in `__dict__`, so that the module
         tree (parameter names, weight loading) does not hold it twice."""
         self.__dict__["head_norm"] = nn.Identity() if head_norm is None else head_norm
 
-    def get_state_shape(self) -> tuple[tuple[int, int]]:
-        return (self.state_shape,)
-
-    def get_state_dtype(self) -> tuple[torch.dtype]:
-        return (torch.float32,)
+    def use_attention(self, attention: DintPagedAttention) -> None:
+        """The paged attention whose KV pages hold this layer's states (kept in `__dict__`, as the head norm)."""
+        self.__dict__["attention"] = attention
 
     def forward(self, signal_output, noise_output, lambda_, positions) -> torch.Tensor:
         """O1, O2 `[T, H/2 / tp, C]`, lambda (a scalar, or `[T, H/2 / tp, 1]`), positions `[T]` -> the DINT output
@@ -355,13 +513,15 @@ class DintVllmAttention(nn.Module):
             is_neox_style=True,
         )
         self.integral_state = DintIntegralState(config, vllm_config, prefix=f"{prefix}.integral_state")
+        state_shape = None if config.integral == "none" else integral_state_shape(config, tp_size)
         if self.v1:
             # Per KV head pair p: one cache head of 2d channels, K = [K_p | K_(p+KV/2)], V = [V_p | V_(p+KV/2)]
             self.num_kv_head_pairs = self.num_kv_heads // 2
             self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
-            self.attn = Attention(
+            self.attn = DintPagedAttention(
                 self.num_heads, 2 * self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_head_pairs,
                 cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+                integral_state_shape=state_shape,
             )
             self.lambda_init = config.lambda_init_for_layer(extract_layer_index(prefix))
             self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
@@ -372,9 +532,10 @@ class DintVllmAttention(nn.Module):
                 parameter.weight_loader = default_weight_loader
         else:
             # An ordinary attention layer: 2h query heads of d over the KV heads, Llama's cache
-            self.attn = Attention(
+            self.attn = DintPagedAttention(
                 self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
                 cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+                integral_state_shape=state_shape,
             )
             self.lambda_proj = ColumnParallelLinear(
                 hidden_size, config.num_differential_heads, bias=False, quant_config=None, prefix=f"{prefix}.lambda_proj"
@@ -387,6 +548,7 @@ class DintVllmAttention(nn.Module):
             if config.head_norm_affine:
                 self.head_norm.weight.weight_loader = default_weight_loader
         self.integral_state.use_head_norm(self.head_norm)
+        self.integral_state.use_attention(self.attn)
 
     def differential_outputs(self, hidden_states, query, key, value) -> tuple[torch.Tensor, ...]:
         """O1, O2 `[T, H/2 / tp, C]` and lambda (v1: a fp32 scalar; v2: `[T, H/2 / tp, 1]` fp32)."""
@@ -464,7 +626,7 @@ class DintModel(LlamaModel):
         return loaded
 
 
-class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
+class DintForCausalLM(nn.Module):
     """DINT Transformer (arXiv 2501.17486) for vLLM: registered for `architectures: ["DintForCausalLM"]` by the
     package's `vllm.general_plugins` entry point (`modeling_dint.vllm.register`)."""
 
@@ -472,6 +634,12 @@ class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         config = vllm_config.model_config.hf_config
         config.check_paged_serving()
+        if config.integral != "none" and vllm_config.kv_transfer_config is not None:
+            raise ValueError(
+                f"kv_transfer_config={vllm_config.kv_transfer_config!r}: DINT keeps each block's integral state in the "
+                "tail of its KV page, which vLLM's KV connectors (disaggregated prefill, offloading) do not move; "
+                "serve DINT without a KV connector (kv_transfer_config=None)."
+            )
         self.config = config
         self.model = DintModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
@@ -495,17 +663,3 @@ class DintForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ignore = ["lm_head."] if self.config.tie_word_embeddings else None  # tied: the embedding is the head
         return AutoWeightsLoader(self, ignore_unexpected_prefixes=ignore).load_weights(weights)
-
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, int]]:
-        config = vllm_config.model_config.hf_config
-        config.check_paged_serving()
-        return (integral_state_shape(config, vllm_config.parallel_config.tensor_parallel_size),)
-
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype]:
-        return (torch.float32,)
-
-    @classmethod
-    def get_mamba_state_copy_func(cls) -> tuple:
-        return MambaStateCopyFuncCalculator.linear_attention_state_copy_func()
