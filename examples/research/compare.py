@@ -245,6 +245,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rate", type=int, metavar="STEPS", help="measure steps/s per kind (one thread) and stop")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
+    parser.add_argument("--workers", type=int, help="jobs at once, one torch thread each (default 1: the registered "
+                        "comparison leaves a core to other work; a run's result does not depend on it)")
     parser.add_argument("--only", choices=("main", "retry"),
                         help="run only the registered runs, or only the plateau retries (two processes can share "
                         "the journal this way); default: the registered runs, then the retries")
@@ -255,6 +257,8 @@ def main(argv=None) -> None:
         settings.seeds = tuple(args.seeds)
     if args.no_compile:
         settings.compile = False
+    if args.workers:
+        settings.workers = args.workers
     out = args.out or RESULTS / f"h{args.hidden}"
     out.mkdir(parents=True, exist_ok=True)
     if args.rate:
@@ -295,8 +299,10 @@ def main(argv=None) -> None:
                 pending = [job for job in retry_jobs(done, settings, args.kinds) if job_id(job) not in done]
             if not pending:
                 break
-            run_jobs(pending[:1], settings, journal, done, log)  # one at a time, its record appended as it finishes
-            started += 1
+            room = settings.workers if args.max_jobs is None else min(settings.workers, args.max_jobs - started)
+            batch = pending[:room]  # each record appended to the journal as it finishes
+            run_jobs(batch, settings, journal, done, log)
+            started += len(batch)
     parameters = parameter_counts(settings, args.kinds)
     print(write_summary(read_journal(journal), settings, args.kinds, learning_rates, out, parameters))
 
