@@ -183,6 +183,8 @@ def vllm_results(checkpoint, llama_checkpoint, prompts, shared_prefix_prompts, t
         {"name": "chunked", "engine": {**ENGINE, "max_num_batched_tokens": CHUNK_TOKENS}, "batches": [prompts],
          "eager_integral": True},
         {"name": "prefix", "engine": prefix_engine, "batches": shared_prefix_prompts},
+        # the eager ops gather every carry before any store: they are right only if the waves are
+        {"name": "prefix_eager", "engine": prefix_engine, "batches": shared_prefix_prompts, "eager_integral": True},
         {
             "name": "preemption",
             "engine": {**ENGINE, "block_size": BLOCK_SIZE, "num_gpu_blocks_override": PREEMPTION_BLOCKS},
@@ -216,24 +218,27 @@ def test_chunked_prefill_equal(vllm_results, reference, prompts):
     assert max_logprob_difference(requests, reference) < LOGPROB_TOLERANCE
 
 
-def test_prefix_caching_hits_and_equal(vllm_results, reference_model, shared_prefix_prompts):
-    batches = vllm_results["prefix"]["requests"]
+@pytest.mark.parametrize("run", ["prefix", "prefix_eager"])
+def test_prefix_caching_hits_and_equal(vllm_results, reference_model, shared_prefix_prompts, run):
+    batches = vllm_results[run]["requests"]
     cached = [request["num_cached_tokens"] for request in batches[1]]
     # The second batch finds the shared prefix's full blocks in the cache (the state at the last one's end with them)
     assert min(cached) >= BLOCK_SIZE, f"prefix-cache hits per request of the second batch: {cached}"
     for requests, prompts in zip(batches, shared_prefix_prompts, strict=True):
         references = generate_reference(reference_model, prompts)
-        assert_tokens_equal(requests, references, "prefix caching")
+        assert_tokens_equal(requests, references, f"prefix caching ({run})")
         assert max_logprob_difference(requests, references) < LOGPROB_TOLERANCE
 
 
 def test_same_step_prefix_hits_run_in_waves(vllm_results):
     """The first batch's four prompts share a prefix and arrive together: vLLM caches a block as soon as a step will
     fill it, so a request scheduled after the one computing the prefix hits its blocks in the same step, and DINT runs
-    that step's integral in waves (writers first); the equality above covers those requests."""
-    first_batch = vllm_results["prefix"]["requests"][0]
-    assert max(request["num_cached_tokens"] for request in first_batch) >= BLOCK_SIZE
-    assert vllm_results["prefix"]["wave_steps"] > 0
+    that step's integral in waves (writers first); the equality above covers those requests, on the kernel (which
+    reads in row order) and on the eager ops (which gather every carry before any store: wrong without the waves)."""
+    for run in ("prefix", "prefix_eager"):
+        first_batch = vllm_results[run]["requests"][0]
+        assert max(request["num_cached_tokens"] for request in first_batch) >= BLOCK_SIZE, run
+        assert vllm_results[run]["wave_steps"] > 0, run
 
 
 def test_kv_capacity_is_llamas_less_the_state_in_each_page(vllm_results, checkpoint):
@@ -288,12 +293,35 @@ def test_waves_read_what_the_earlier_wave_stored():
             torch.testing.assert_close(table[[10, 11, 12]], torch.stack([a_sums[3], a_sums[7], b_sums[2]]))
         return output
 
+    # One row per request (the decoding shortcut's shape): B's one-token prefill at position 4 hits block 10, which A's
+    # last prefill row (position 3) completes in the same step; the shortcut must see it and take the waves
+    one_row = dict(positions=torch.tensor([4, 3]), cu_seq_lens_q=torch.tensor([0, 1, 2]), row_blocks=torch.tensor([12, 10]),
+                   previous_blocks=torch.tensor([10, 10]))
+    one_row_carry = torch.randn(heads, channels)
+    one_row_expected = torch.stack([
+        signal[0] - lambda_ * (noise[0] - (one_row_carry + signal[1] + signal[0]) / 5),
+        signal[1] - lambda_ * (noise[1] - (one_row_carry + signal[1]) / 4),
+    ])
+
+    def run_one_row() -> torch.Tensor:
+        table = torch.full((16, heads, channels), 1000.0)
+        table[10] = one_row_carry  # A's sum through position 2, stored by its previous chunk in block 10's tail
+        layer = SimpleNamespace(integral=DintIntegral("mean", layer_idx=0), head_norm=nn.Identity(),
+                                attention=SimpleNamespace(integral_state_table=table))
+        step_rows = VllmStepRows(**one_row, block_size=block_size, one_row_each=True)
+        assert step_rows.waves is not None
+        output = torch.empty(2, heads, channels)
+        with torch.no_grad():
+            step_integral(layer, signal[:2], noise[:2], lambda_, step_rows, output)
+        return output
+
     op = integral_cpu_kernel.integral_kernel()
     for kernel in ([None, op] if op is not None else [None]):
         integral_cpu_kernel._state["op"] = kernel
         try:
             torch.testing.assert_close(run(split_waves=True), expected, rtol=1e-5, atol=1e-5)
             assert not torch.allclose(run(split_waves=False)[:3], expected[:3], atol=1e-2)
+            torch.testing.assert_close(run_one_row(), one_row_expected, rtol=1e-5, atol=1e-5)
         finally:
             integral_cpu_kernel._state["op"] = op
 
@@ -301,7 +329,7 @@ def test_waves_read_what_the_earlier_wave_stored():
 HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
 
 
-EAGER_RUNS = ("chunked", "preemption")
+EAGER_RUNS = ("chunked", "prefix_eager", "preemption")
 """The runs on the eager integral (gather, running sum, scatter: what vLLM runs off CPU); the others take the kernel."""
 
 

@@ -105,7 +105,8 @@ def test_page_tails_hold_the_state_apart_from_the_kv(layout_name):
     )
     raw = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(raw, spec, num_blocks, layout, tensor)
-    tables = [dint_vllm.page_tail_state_table(view, state_shape, page) for view in views]
+    tables = [dint_vllm.page_tail_state_table(view, dint_vllm.page_tail_state_view(view, state_shape, page))
+              for view in views]
     for layer, table in enumerate(tables):
         assert table.shape == (num_blocks, *state_shape)
         table.copy_(torch.arange(num_blocks, dtype=torch.float32)[:, None, None] + 10 * (layer + 1))
@@ -116,7 +117,7 @@ def test_page_tails_hold_the_state_apart_from_the_kv(layout_name):
         assert torch.equal(table[:, 0, 0], torch.arange(num_blocks, dtype=torch.float32) + 10 * (layer + 1))
     assert int((raw.view(torch.float32) != -1.0).sum()) == num_layers * num_blocks * state_shape[0] * state_shape[1]
     with pytest.raises(RuntimeError, match="no such tail"):
-        dint_vllm.page_tail_state_table(views[0], (4, 128), page)
+        dint_vllm.page_tail_state_view(views[0], (4, 128), page)
 
 
 def test_custom_op_and_compilation():
@@ -166,6 +167,18 @@ def test_v2_qkv_rows_are_llamas_contiguous_blocks():
     assert dint_vllm.local_qkv_rows(config, 0, 2) == ([0, 1, 2, 3], [0])
     assert dint_vllm.local_qkv_rows(config, 1, 2) == ([4, 5, 6, 7], [1])
     assert dint_vllm.integral_state_shape(config, 2) == (2, 32)
+
+
+def test_speculative_decoding_and_kv_connectors_refused_at_load():
+    from types import SimpleNamespace
+
+    config = DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+    for field in ("speculative_config", "kv_transfer_config"):
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=config), speculative_config=None,
+                                      kv_transfer_config=None)
+        setattr(vllm_config, field, "set")
+        with pytest.raises(ValueError, match=f"{field}='set'"):
+            dint_vllm.DintForCausalLM(vllm_config=vllm_config)
 
 
 def test_load_time_refusals_name_the_field():

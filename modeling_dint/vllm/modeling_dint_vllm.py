@@ -153,9 +153,10 @@ class VllmStepRows:
         block_size (`int`): tokens per KV block.
         split_waves (`bool`): whether to look for requests that continue from a block another request of the step
             completes (the step's own; not the waves', which have none).
-        one_row_each (`bool`): every request has one row (a decoding step, R = T): request r is row r, which reads its
-            carry and stores its sum; no waves (a decoding request continues from a block that was complete, or its
-            own, before the step).
+        one_row_each (`bool`): every request has one row (R = T): request r is row r, which reads its carry and stores
+            its sum; the shortcut holds unless a row continues from a block another row of the step completes (a
+            one-token prefill hitting a block that a request completes in the same step), which takes the general
+            path and its waves.
 
     Attributes:
         layout (`DintIntegralLayout`): the step's `for_packed_requests` layout.
@@ -175,6 +176,10 @@ class VllmStepRows:
     ):
         self._kernel_slots = None
         self.waves = None
+        if one_row_each:
+            reads_full_block = (positions > 0) & (positions % block_size == 0)
+            completes_block = (positions + 1) % block_size == 0
+            one_row_each = not bool(torch.isin(previous_blocks[reads_full_block], row_blocks[completes_block]).any())
         if one_row_each:
             positions, rows = positions.long(), torch.arange(positions.shape[0], device=positions.device)
             self.layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q, (positions, rows, rows))
@@ -204,10 +209,15 @@ class VllmStepRows:
         """The step's requests in waves (request r after the request that completes the block r continues from),
         each wave's rows `[T_w]` and its `VllmStepRows`."""
         num_requests = writer_of.shape[0]
-        writer = [store_request[row].item() if row.numel() else None for row in (r.nonzero()[:, 0] for r in writer_of)]
+        writers = [set(store_request[r.nonzero()[:, 0]].tolist()) for r in writer_of]
+        if any(len(requests) > 1 for requests in writers):
+            raise RuntimeError("two requests of one vLLM step store the integral state of the same KV block")
+        writer = [requests.pop() if requests else None for requests in writers]
         wave = [0] * num_requests
         for _ in range(num_requests):  # a chain of writers is at most as long as the step's requests
             wave = [0 if writer[r] is None else wave[writer[r]] + 1 for r in range(num_requests)]
+        if max(wave) >= num_requests:
+            raise RuntimeError(f"the requests of one vLLM step read each other's KV blocks in a cycle: writers {writer}")
         starts = cu_seq_lens_q.tolist()
         waves = []
         for index in range(max(wave) + 1):
@@ -292,8 +302,6 @@ def integral_output(
     state carried from earlier steps in the tails of its KV pages; stores the new states. Rows vLLM pads the batch
     with get 0."""
     attn_metadata = get_forward_context().attn_metadata
-    if isinstance(attn_metadata, list):  # speculative decoding: the base model's metadata first
-        attn_metadata = attn_metadata[0]
     if isinstance(attn_metadata, dict):
         attn_metadata = attn_metadata.get(layer.attention.layer_name)
     if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state; one document
@@ -365,10 +373,11 @@ if f"vllm::{INTEGRAL_OP}" not in CompilationConfig._attention_ops:
     CompilationConfig._attention_ops.append(f"vllm::{INTEGRAL_OP}")
 
 
-def page_tail_state_table(kv_cache: torch.Tensor, state_shape: tuple[int, int], page_bytes: int) -> torch.Tensor:
-    """The integral states of one layer, `[blocks, H/2 / tp, C]` fp32: a view of the tail of each page of the layer's
-    KV cache `kv_cache` `[blocks, heads, block_size, channels]` (vLLM's view of padded pages of `page_bytes` bytes:
-    each page's K/V dense at its start, in any order of heads and tokens; the state right after them)."""
+def page_tail_state_view(kv_cache: torch.Tensor, state_shape: tuple[int, int], page_bytes: int) -> tuple:
+    """Where the integral states of one layer lie in the storage of its KV cache `kv_cache` `[blocks, heads,
+    block_size, channels]` (vLLM's view of padded pages of `page_bytes` bytes: each page's K/V dense at its start, in any
+    order of heads and tokens; the state right after them): `(storage offset, size, stride)` of an fp32
+    `[blocks, H/2 / tp, C]` view (`page_tail_state_table`). Checked here, once, where vLLM binds the cache."""
     element = kv_cache.element_size()
     content = prod(kv_cache.shape[1:])
     extent = 1 + sum((size - 1) * stride for size, stride in zip(kv_cache.shape[1:], kv_cache.stride()[1:]))
@@ -387,28 +396,27 @@ def page_tail_state_table(kv_cache: torch.Tensor, state_shape: tuple[int, int], 
             f"{kv_cache.stride()} ({content * element} bytes of K/V per block) that leaves no such tail: vLLM changed "
             f"how it lays out padded pages (this module was read in vLLM {WRITTEN_FOR_VLLM})."
         )
-    table = torch.empty(0, dtype=torch.float32, device=kv_cache.device)
-    return table.set_(
-        kv_cache.untyped_storage(),
-        start_bytes // 4,
-        (kv_cache.shape[0], *state_shape),
-        (kv_cache.stride(0) * element // 4, state_shape[1], 1),
-    )
+    return start_bytes // 4, (kv_cache.shape[0], *state_shape), (kv_cache.stride(0) * element // 4, state_shape[1], 1)
+
+
+def page_tail_state_table(kv_cache: torch.Tensor, view: tuple) -> torch.Tensor:
+    """The integral states of one layer, `[blocks, H/2 / tp, C]` fp32: the tails of the pages of `kv_cache`, at
+    `view` (`page_tail_state_view`)."""
+    return torch.empty(0, dtype=torch.float32, device=kv_cache.device).set_(kv_cache.untyped_storage(), *view)
 
 
 class DintPagedAttention(Attention):
     """vLLM's paged attention, each page of which (one KV block of one layer) ends with the layer's integral state:
     the running sum of O1 after the last token written in the block, `integral_state_shape` `(H/2 / tp, C)` fp32
     (`page_size_padded`: the page vLLM's attention needs plus the state). Once vLLM binds the cache,
-    `integral_state_table` `[blocks, H/2 / tp, C]` views those tails and `integral_block_size` is the tokens per block.
+    `integral_state_table` `[blocks, H/2 / tp, C]` views those tails.
     Without a state (integral "none") it is vLLM's `Attention`."""
 
     def __init__(self, *args, integral_state_shape: tuple[int, int] | None, **kwargs):
         super().__init__(*args, **kwargs)
         self.integral_state_shape = integral_state_shape
-        self.integral_state_table: torch.Tensor | None = None
-        self.integral_block_size: int | None = None
         self.integral_page_bytes: int | None = None
+        self.integral_state_view: tuple | None = None
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -422,10 +430,18 @@ class DintPagedAttention(Attention):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         super().bind_kv_cache(kv_cache)
         if self.integral_state_shape is not None:
-            self.integral_state_table = page_tail_state_table(
-                self.kv_cache, self.integral_state_shape, self.integral_page_bytes
-            )
-            self.integral_block_size = self.kv_cache.shape[2]
+            self.integral_state_view = page_tail_state_view(self.kv_cache, self.integral_state_shape, self.integral_page_bytes)
+
+    @property
+    def integral_state_table(self) -> torch.Tensor:
+        """`[blocks, H/2 / tp, C]` fp32: the tails of the bound cache's pages (a view made on each use from the offsets
+        checked at binding, so that a cache vLLM unbinds is not held)."""
+        return page_tail_state_table(self.kv_cache, self.integral_state_view)
+
+    @property
+    def integral_block_size(self) -> int:
+        """Tokens per KV block (vLLM does not split padded pages into smaller kernel blocks)."""
+        return self.kv_cache.shape[2]
 
 
 class DintIntegralState(nn.Module):
@@ -634,6 +650,11 @@ class DintForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         config.check_paged_serving()
+        if config.integral != "none" and vllm_config.speculative_config is not None:
+            raise ValueError(
+                f"speculative_config={vllm_config.speculative_config!r}: a verification step would store DINT's "
+                "integral state after draft tokens that may be rejected; serve DINT without speculative decoding."
+            )
         if config.integral != "none" and vllm_config.kv_transfer_config is not None:
             raise ValueError(
                 f"kv_transfer_config={vllm_config.kv_transfer_config!r}: DINT keeps each block's integral state in the "
