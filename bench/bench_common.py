@@ -303,6 +303,18 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def write_result(result: dict, output: str, markdown: str) -> None:
+    """Writes `result` to `output` (JSON) and `markdown` next to it (`.md`), and prints the markdown."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as file:
+        json.dump(result, file, indent=1)
+    with open(os.path.splitext(output)[0] + ".md", "w") as file:
+        file.write(markdown)
+    print(markdown)
+
+
 def load_average() -> list[float] | None:
     """The system's 1, 5 and 15 minute load averages: other work on the same cores shows up here."""
     try:

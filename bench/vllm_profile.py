@@ -69,7 +69,7 @@ def main():
         print(json.dumps(child(args.child, args.prompt_tokens, args.new_tokens, args.rounds)))
         return
 
-    from bench_common import load_average, machine_info
+    from bench_common import load_average, machine_info, write_result
     from vllm_load import SIZES, save_models, vllm_python
 
     python = vllm_python(args.vllm_python)
@@ -90,13 +90,7 @@ def main():
                 raise SystemExit(f"{name}: the vLLM child failed:\n{completed.stderr[-4000:]}")
             result["models"][name] = json.loads(completed.stdout.strip().splitlines()[-1])
     result["load_average_after"] = load_average()
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as file:
-        json.dump(result, file, indent=1)
-    markdown = render(result)
-    with open(os.path.splitext(args.output)[0] + ".md", "w") as file:
-        file.write(markdown)
-    print(markdown)
+    write_result(result, args.output, render(result))
 
 
 def render(result: dict) -> str:
