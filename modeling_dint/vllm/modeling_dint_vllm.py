@@ -5,13 +5,14 @@ Per layer (docs/design.md sections 1-3, 5 and 10), the layout (`config.different
 lambda, and the package's own `DintIntegral` (`integral_dint.py`, the code transformers' attention runs) does the rest:
 
     O1, O2  = A1 V, A2 V                            one paged attention call (below)
-    S_n     = sum over the request's tokens m <= n of O1[m]   (fp32, vLLM's per-request state carries it)
+    S_n     = sum over the request's tokens m <= n of O1[m]   (fp32, carried in the tails of the request's KV pages)
     head_j  = O1 - lambda * O2 + lambda * S_n / (n + 1)       (v1: then RMSNorm over its 2d channels)
     out     = concat(head_j) W_o
 
 The running sum, the combination and the head norm run in one op (`INTEGRAL_OP`): on CPU, in fp32 and bf16, the
-package's fused kernel (`integral_cpu_kernel.py`), which reads each request's state from its slot and stores it back
-in place; elsewhere the eager ops, which gather the states per row and scatter them after the request's last row.
+package's fused kernel (`integral_cpu_kernel.py`), which reads each request's state from its block's page tail and
+stores it back in place; elsewhere the eager ops, which gather the states per row and scatter them after the rows that
+store.
 
 **v1 (the paper's layout, DiffLlama's): one attention call, Llama's KV-cache bytes.** H softmax maps, the first H/2
 signal maps A1, the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
