@@ -308,6 +308,7 @@ def integral_output(
     if attn_metadata is None:  # vLLM's profiling and warm-up runs: no request, no state; one document
         num_tokens = signal_output.shape[0]
         layout = DintIntegralLayout.for_packed_requests(positions, positions.new_tensor([0, num_tokens]))
+        lambda_ = lambda_[None] if lambda_.dim() > 0 else lambda_  # v2: [1, T, H/2, 1]
         output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, None, layer.head_norm)[0]
         return
     num_tokens = attn_metadata.num_actual_tokens
