@@ -493,3 +493,32 @@ def test_long_pilot_writes_one_pilot_record(tmp_path):
     assert (record["kind"], record["phase"], record["seed"], record["steps"]) == ("dint", "pilot", 7, 4)
     assert record["eval_steps"] == [2, 4] and len(record["validation_accuracy"]) == 2
     assert record["command"].startswith("python examples/research/long_pilot.py dint")
+
+
+def test_language_modelling_comparison_runs_to_its_summary(tmp_path, capsys):
+    """`compare.py --task lm` (issue 38 item 4), shrunk to 2 steps a run: the sweep chooses a swept rate per
+    architecture, every registered run has a test perplexity, the summary gives the runs and a verdict on test
+    perplexity; run again, it resumes from its journal without training."""
+    import compare
+
+    arguments = ["--task", "lm", "--dry-run", "--no-compile", "--workers", "1", "--seeds", "0", "1",
+                 "--kinds", "transformer", "dint_v2", "--out", str(tmp_path)]
+    compare.main(arguments)
+    records = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()]
+    settings = presets.comparison_settings(64)
+    assert sorted(r["id"] for r in records if r["phase"] == "sweep") == sorted(
+        runner.job_id(job) for job in compare.lm_sweep_jobs(settings, ["transformer", "dint_v2"]))
+    main_runs = [r for r in records if r["phase"] == "main"]
+    assert sorted((r["kind"], r["seed"]) for r in main_runs) == [("dint_v2", 0), ("dint_v2", 1), ("transformer", 0),
+                                                                  ("transformer", 1)]
+    assert all(r["task"] == "lm" and math.isfinite(r["test_perplexity"]) for r in main_runs)
+    chosen = json.loads((tmp_path / "learning_rates.json").read_text())
+    assert set(chosen) == {"transformer", "dint_v2"} and set(chosen.values()) <= set(settings.lm_learning_rates)
+    assert all(r["lr"] == chosen[r["kind"]] for r in main_runs)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| transformer |" in summary and "DINT-V2" in summary
+    assert "- dint_v2 beats transformer (lower test perplexity)? " in summary
+    capsys.readouterr()
+    compare.main(arguments)  # resumes: every job is in the journal
+    assert len((tmp_path / "jobs.jsonl").read_text().splitlines()) == len(records)
+    assert "jobs to run" not in capsys.readouterr().out

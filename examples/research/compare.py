@@ -9,12 +9,19 @@ one training process at a time (or two: `--only main` and `--only retry` share t
     python examples/research/compare.py --hidden 128 --rate 200     # steps/s per architecture (rate.json, rate.md)
     python examples/research/compare.py --hidden 128 --sweep        # hidden 128: the learning-rate sweep first
     python examples/research/compare.py --hidden 64 --only retry    # only the retries of runs left on the plateau
+    python examples/research/compare.py --task lm --hidden 64       # language modelling to the stopping rule
 
 Records go to `results/v2/h{hidden}/jobs.jsonl` (one line per finished run, appended as it finishes, so a killed run
 resumes where it stopped); `summary.md` there says which (architecture, seed) ran and whether each learned, the
 Table 4 accuracies at 1x/2x/4x with 95% bootstrap intervals, the first-query control, and a verdict (the decision
 rule, `decision_rule.beats`) only for pairs where both architectures ran every seed and learned on at least 4 of 5.
 It never writes results/report.md (the committed report of issue 30).
+
+`--task lm` (issue 38 item 4): the same architectures on the committed report's language modelling (Shakespeare, the
+package's tokenizer), each run to the stopping rule (`comparison_settings`: from 1000 steps, a cap of 20,000 it is
+not meant to reach), the learning rate swept per architecture (1e-3, 3e-3 on seed 100), then 5 seeds; records in
+`results/v2/lm_h{hidden}/`, whose `summary.md` gives the test perplexity per architecture with its interval, how many
+runs the rule stopped before the cap, and a verdict (lower perplexity) for each pair where both ran every seed.
 """
 
 import argparse
@@ -33,7 +40,9 @@ import torch  # noqa: E402
 from decision_rule import beats, ci_text, difference_text  # noqa: E402
 from model_shapes import build_model, count_parameters  # noqa: E402
 from runner import environment, job_id, run_jobs  # noqa: E402
-from settings import COMPARISON, DESCRIPTIONS, Settings, comparison_settings  # noqa: E402
+from settings import (  # noqa: E402
+    COMPARISON, DESCRIPTIONS, Settings, comparison_settings, lm_hidden, shrink_for_dry_run,
+)
 from tasks import NeedleVocabulary, make_mixed_needle_batch, plateau_loss  # noqa: E402
 from training import make_training_step, on_plateau, to_device  # noqa: E402
 
@@ -75,6 +84,34 @@ def sweep_jobs(settings: Settings, kinds) -> list[dict]:
         for kind in kinds
         for lr in settings.learning_rates
     ]
+
+
+def lm_sweep_jobs(settings: Settings, kinds) -> list[dict]:
+    return [
+        dict(phase="sweep", task="lm", kind=kind, hidden=lm_hidden(settings), context=settings.lm_context, lr=lr,
+             seed=settings.sweep_seed)
+        for kind in kinds
+        for lr in settings.lm_learning_rates
+    ]
+
+
+def lm_comparison_jobs(settings: Settings, kinds, learning_rates: dict) -> list[dict]:
+    """Seed-major, as `comparison_jobs`."""
+    return [
+        dict(phase="main", task="lm", kind=kind, hidden=lm_hidden(settings), context=settings.lm_context,
+             lr=learning_rates[kind], seed=seed)
+        for seed in settings.lm_seeds
+        for kind in kinds
+    ]
+
+
+def chosen_learning_rates(sweep: list[dict]) -> dict:
+    """Per kind, the swept learning rate with the lowest best validation loss."""
+    best = {}
+    for record in sweep:
+        if record["kind"] not in best or record["best_validation_loss"] < best[record["kind"]][1]:
+            best[record["kind"]] = (record["lr"], record["best_validation_loss"])
+    return {kind: lr for kind, (lr, _) in best.items()}
 
 
 def retry_jobs(records: dict, settings: Settings, kinds) -> list[dict]:
@@ -234,8 +271,81 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     return text
 
 
+def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path) -> str:
+    """`summary.md` of `--task lm`: per architecture the runs, how many the stopping rule stopped before the cap, the
+    test perplexity (mean over seeds, 95% bootstrap interval), and the decision rule on test perplexity (lower is
+    better) for each pair of `PAIRS` where both ran every seed."""
+    hidden = lm_hidden(settings)
+    by_kind = {
+        kind: sorted((r for r in records.values() if r["phase"] == "main" and r["task"] == "lm" and r["kind"] == kind
+                      and r["hidden"] == hidden), key=lambda r: r["seed"])
+        for kind in kinds
+    }
+    ci = lambda values: ci_text(values, settings, 2) if len(values) > 1 else (f"{values[0]:.2f}" if values else "-")  # noqa: E731
+    lines = [
+        f"# Issue 38's language modelling to the stopping rule, hidden {hidden}, context {settings.lm_context}", "",
+        f"Written by `python examples/research/compare.py --task lm --hidden {hidden} --summary-only` from "
+        f"`jobs.jsonl`. Environment: {environment()}.", "",
+        f"Rules (fixed in code before the first run): the committed report's corpus, model sizes and stopping rule; "
+        f"from {settings.lm_min_steps} steps, a cap of {settings.lm_max_steps} (the committed runs stopped at 300), "
+        f"validation every {settings.lm_eval_every} steps, batch {settings.lm_batch} x {settings.lm_context} tokens; "
+        f"learning rate swept per architecture ({', '.join(f'{lr:g}' for lr in settings.lm_learning_rates)}, seed "
+        f"{settings.sweep_seed}): " + ", ".join(f"{kind} {learning_rates[kind]:g}" for kind in kinds if kind in learning_rates)
+        + f"; seeds {list(settings.lm_seeds)}.", "",
+        "## Runs", "",
+        "| architecture | lr | seeds run | steps (per seed; * at the cap) | stopped by the rule | steps/s | "
+        "best validation loss | test perplexity |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for kind in kinds:
+        runs = by_kind[kind]
+        lr = f"{learning_rates[kind]:g}" if kind in learning_rates else "-"
+        if not runs:
+            lines.append(f"| {DESCRIPTIONS.get(kind, kind)} | {lr} | none | - | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {DESCRIPTIONS.get(kind, kind)} | {lr} | {', '.join(str(r['seed']) for r in runs)} | "
+            f"{', '.join(str(r['steps']) + ('*' if r['hit_cap'] else '') for r in runs)} | "
+            f"{sum(not r['hit_cap'] for r in runs)}/{len(runs)} | {np.mean([r['steps_per_second'] for r in runs]):.1f} | "
+            f"{ci([r['best_validation_loss'] for r in runs])} | {ci([r['test_perplexity'] for r in runs])} |"
+        )
+    lines += ["", "## Verdicts (decision rule on test perplexity, lower is better: paired bootstrap over seeds; only "
+              "where both ran every seed)", ""]
+    for a, b in PAIRS:
+        if a not in kinds or b not in kinds:
+            continue
+        ra, rb = by_kind[a], by_kind[b]
+        seeds_a, seeds_b = [r["seed"] for r in ra], [r["seed"] for r in rb]
+        if not seeds_a == seeds_b == list(settings.lm_seeds):
+            lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs "
+                         f"{list(settings.lm_seeds)}).")
+            continue
+        verdict, difference = beats([r["test_perplexity"] for r in ra], [r["test_perplexity"] for r in rb], settings,
+                                    higher_is_better=False)
+        lines.append(f"- {a} beats {b} (lower test perplexity)? {verdict} {difference_text(difference, 2)}.")
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def main_lm(args, settings: Settings, out: Path, log) -> None:
+    """`--task lm`: the sweep, then the registered runs (resumable), then `summary.md`."""
+    journal = out / "jobs.jsonl"
+    sweep = lm_sweep_jobs(settings, args.kinds)
+    if not args.summary_only:
+        run_jobs(sweep, settings, journal, read_journal(journal), log)
+    done = read_journal(journal)
+    learning_rates = chosen_learning_rates([done[job_id(job)] for job in sweep if job_id(job) in done])
+    (out / "learning_rates.json").write_text(json.dumps(learning_rates, indent=1))
+    if not args.summary_only:
+        jobs = lm_comparison_jobs(settings, args.kinds, learning_rates)
+        run_jobs(jobs[: args.max_jobs] if args.max_jobs else jobs, settings, journal, done, log)
+    print(write_lm_summary(read_journal(journal), settings, args.kinds, learning_rates, out))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=("needle", "lm"), default="needle")
     parser.add_argument("--hidden", type=int, default=64, choices=(64, 128))
     parser.add_argument("--kinds", nargs="+", default=list(COMPARISON))
     parser.add_argument("--seeds", type=int, nargs="+")
@@ -244,6 +354,8 @@ def main(argv=None) -> None:
     parser.add_argument("--summary-only", action="store_true")
     parser.add_argument("--rate", type=int, metavar="STEPS", help="measure steps/s per kind (one thread) and stop")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="every step count at most 2 and the data small: checks "
+                        "the pipeline end to end (use with --out)")
     parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
     parser.add_argument("--workers", type=int, help="jobs at once, one torch thread each (default 1: the registered "
                         "comparison leaves a core to other work; a run's result does not depend on it)")
@@ -254,12 +366,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     settings = comparison_settings(args.hidden)
     if args.seeds:
-        settings.seeds = tuple(args.seeds)
+        settings.seeds = settings.lm_seeds = tuple(args.seeds)
     if args.no_compile:
         settings.compile = False
+    if args.dry_run:
+        shrink_for_dry_run(settings)
     if args.workers:
         settings.workers = args.workers
-    out = args.out or RESULTS / f"h{args.hidden}"
+    out = args.out or RESULTS / (f"lm_h{args.hidden}" if args.task == "lm" else f"h{args.hidden}")
     out.mkdir(parents=True, exist_ok=True)
     if args.rate:
         rates = measure_rates(settings, args.kinds, args.rate)
@@ -272,6 +386,10 @@ def main(argv=None) -> None:
 
     def log(message):
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    if args.task == "lm":
+        main_lm(args, settings, out, log)
+        return
 
     learning_rates = REGISTERED_LEARNING_RATES.get(args.hidden)
     if learning_rates is None and (out / "learning_rates.json").exists():  # chosen by an earlier --sweep

@@ -244,6 +244,13 @@ def comparison_settings(hidden: int = 64) -> Settings:
         controls=(),
         ablation_config=(hidden, 64),
         workers=1,
+        # issue 38 item 4, fixed before any run: language modelling to the stopping rule (the committed runs stopped
+        # at their 300-step cap). The same rule as the needle task (no plateau); a cap it is not meant to reach, from
+        # 1000 steps on; 5 seeds, as the needle comparison, for the same decision rule
+        lm_seeds=(0, 1, 2, 3, 4),
+        lm_min_steps=1000,
+        lm_max_steps=20_000,
+        lm_eval_every=100,
     )
 
 
