@@ -191,6 +191,19 @@ def measure_rates(settings: Settings, kinds, steps: int) -> dict:
     return rates
 
 
+def pairs_run_on_every_seed(by_kind: dict, kinds, seeds, lines: list[str]):
+    """The pairs of `PAIRS` among `kinds` whose runs (`by_kind`, by seed) cover `seeds` on both sides, as
+    (a, b, a's runs, b's runs); for each other pair, a "no verdict" line appended to `lines`."""
+    for a, b in PAIRS:
+        if a not in kinds or b not in kinds:
+            continue
+        seeds_a, seeds_b = [r["seed"] for r in by_kind[a]], [r["seed"] for r in by_kind[b]]
+        if not seeds_a == seeds_b == list(seeds):
+            lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs {list(seeds)}).")
+            continue
+        yield a, b, by_kind[a], by_kind[b]
+
+
 def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path, parameters: dict) -> str:
     hidden, context = settings.needle_configs[0]
     plateau = plateau_loss(settings)
@@ -244,16 +257,7 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
                 f"{np.mean([r['accuracy'][str(f)][str(n)] for r in runs]):.3f}" for f in factors for n in counts) + " |")
     lines += ["", "## Verdicts (decision rule: paired bootstrap over seeds; only where both ran every seed and "
               "learned on at least 4 of 5)", ""]
-    for a, b in PAIRS:
-        if a not in kinds or b not in kinds:
-            continue
-        ra, rb = by_kind[a], by_kind[b]
-        seeds_a, seeds_b = [r["seed"] for r in ra], [r["seed"] for r in rb]
-        complete = seeds_a == seeds_b == list(settings.seeds)
-        if not complete:
-            lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs "
-                         f"{list(settings.seeds)}).")
-            continue
+    for a, b, ra, rb in pairs_run_on_every_seed(by_kind, kinds, settings.seeds, lines):
         learned_a, learned_b = sum(learned(r, settings) for r in ra), sum(learned(r, settings) for r in rb)
         if min(learned_a, learned_b) < 4:
             lines.append(f"- {a} vs {b}: no verdict (learned {learned_a}/5 vs {learned_b}/5: not where both learn).")
@@ -311,15 +315,7 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
         )
     lines += ["", "## Verdicts (decision rule on test perplexity, lower is better: paired bootstrap over seeds; only "
               "where both ran every seed)", ""]
-    for a, b in PAIRS:
-        if a not in kinds or b not in kinds:
-            continue
-        ra, rb = by_kind[a], by_kind[b]
-        seeds_a, seeds_b = [r["seed"] for r in ra], [r["seed"] for r in rb]
-        if not seeds_a == seeds_b == list(settings.lm_seeds):
-            lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs "
-                         f"{list(settings.lm_seeds)}).")
-            continue
+    for a, b, ra, rb in pairs_run_on_every_seed(by_kind, kinds, settings.lm_seeds, lines):
         verdict, difference = beats([r["test_perplexity"] for r in ra], [r["test_perplexity"] for r in rb], settings,
                                     higher_is_better=False)
         lines.append(f"- {a} beats {b} (lower test perplexity)? {verdict} {difference_text(difference, 2)}.")
