@@ -13,7 +13,9 @@ with a `store_slot` stores its sum there (a request's last row; with transformer
 block), so no per-row gather and scatter of the state is needed. The eager path gathers every row's state before it
 stores any; the kernel reads in place, which gives the same result because no row of a step stores into a slot that a
 later request of the same step reads (a request reads its own earlier block or slot; transformers' paged cache and
-vLLM both guarantee it: shared blocks are complete, and only the requests' own current blocks are written). Its time against the eager ops and DiffLlama's tail:
+vLLM both guarantee it: shared blocks are complete, and only the requests' own current blocks are written; vLLM's
+same-step prefix hits run in waves). A second op, `packed_step_rows`, builds a vLLM step's rows (where each request
+restarts, counts, reads and stores) from vLLM's metadata in one call, once per step for every layer. Its time against the eager ops and DiffLlama's tail:
 `bench/micro_integral.py`, `bench/results/micro_integral_cpu.md`.
 
 The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 when no gradient is needed, outside
@@ -87,7 +89,10 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
   const float epsilon = static_cast<float>(eps);
   const float inverse_channels = 1.0f / static_cast<float>(channels);
 
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  // (batch row, head) pairs per thread: at least PARALLEL_VALUES values of work (a decoding step's few pairs run on the
+  // calling thread: waking a thread team costs more than their work)
+  const int64_t grain = std::max<int64_t>(1, @PARALLEL_VALUES@ / std::max<int64_t>(1, rows * channels));
+  at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> running(channels), combined(channels), weight(channels, 1.0f);
     if (weight_data) std::copy(weight_data, weight_data + channels, weight.begin());
     for (int64_t index = begin; index < end; ++index) {
@@ -139,19 +144,31 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
   });
 }
 
-std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Tensor& noise, const at::Tensor& lambda_,
-                                         const at::Tensor& inverse_count, const at::Tensor& row_flags,
-                                         const c10::optional<at::Tensor>& carry,
+std::vector<at::Tensor> integral_forward(const at::Tensor& signal_input, const at::Tensor& noise_input,
+                                         const at::Tensor& lambda_input, const at::Tensor& inverse_input,
+                                         const at::Tensor& flags_input, const c10::optional<at::Tensor>& carry,
                                          const c10::optional<at::Tensor>& norm_weight, bool normalize, double eps,
                                          const c10::optional<at::Tensor>& state,
                                          const c10::optional<at::Tensor>& carry_slot,
-                                         const c10::optional<at::Tensor>& store_slot) {
-  TORCH_CHECK(signal.dim() == 4 && noise.sizes() == signal.sizes(), "signal and noise: [B, T, heads, C], the same");
+                                         const c10::optional<at::Tensor>& store_slot,
+                                         const c10::optional<at::Tensor>& out) {
+  // Requests packed into one row may come without the batch dimension ([T, heads, C]: B = 1); the per-row inputs
+  // broadcast against [B, T] (lambda against [B, T, heads], with or without a trailing channel dimension of 1)
+  TORCH_CHECK((signal_input.dim() == 4 || signal_input.dim() == 3) && noise_input.sizes() == signal_input.sizes(),
+              "signal and noise: [B, T, heads, C] or [T, heads, C], the same");
+  const at::Tensor signal = signal_input.dim() == 3 ? signal_input.unsqueeze(0) : signal_input;
+  const at::Tensor noise = noise_input.dim() == 3 ? noise_input.unsqueeze(0) : noise_input;
   TORCH_CHECK(signal.scalar_type() == noise.scalar_type(), "signal and noise: one dtype");
   TORCH_CHECK(signal.stride(3) == 1 && noise.stride(3) == 1, "signal and noise: contiguous channels");
-  TORCH_CHECK(lambda_.scalar_type() == at::kFloat && lambda_.dim() == 3, "lambda: fp32 [B, T, heads]");
-  TORCH_CHECK(inverse_count.scalar_type() == at::kFloat && inverse_count.dim() == 2, "inverse_count: fp32 [B, T]");
-  TORCH_CHECK(row_flags.scalar_type() == at::kByte && row_flags.dim() == 2, "row_flags: uint8 [B, T]");
+  const int64_t rows = signal.size(1);
+  TORCH_CHECK(lambda_input.scalar_type() == at::kFloat, "lambda: fp32");
+  at::Tensor lambda_ = lambda_input;
+  if (lambda_.dim() == signal_input.dim() && lambda_.size(-1) == 1) lambda_ = lambda_.squeeze(-1);
+  lambda_ = lambda_.expand({signal.size(0), rows, signal.size(2)});
+  TORCH_CHECK(inverse_input.scalar_type() == at::kFloat, "inverse_count: fp32 [B, T] or [T]");
+  TORCH_CHECK(flags_input.scalar_type() == at::kByte, "row_flags: uint8 [B, T] or [T]");
+  const at::Tensor inverse_count = inverse_input.expand({signal.size(0), rows});
+  const at::Tensor row_flags = flags_input.expand({signal.size(0), rows});
   const int64_t batch = signal.size(0), heads = signal.size(2), channels = signal.size(3);
   at::Tensor carry_tensor, weight_tensor;
   if (carry.has_value()) {
@@ -172,11 +189,12 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
                     state_tensor.size(2) == channels && state_tensor.stride(2) == 1,
                 "state: fp32 [slots, heads, C] with contiguous channels");
     TORCH_CHECK(carry_slot.has_value() && store_slot.has_value(), "state needs carry_slot and store_slot");
-    carry_slot_tensor = carry_slot->contiguous();
-    store_slot_tensor = store_slot->contiguous();
-    TORCH_CHECK(carry_slot_tensor.scalar_type() == at::kLong && store_slot_tensor.scalar_type() == at::kLong &&
-                    carry_slot_tensor.sizes() == row_flags.sizes() && store_slot_tensor.sizes() == row_flags.sizes(),
-                "carry_slot and store_slot: int64 [B, T]");
+    TORCH_CHECK(carry_slot->numel() == batch * rows && store_slot->numel() == batch * rows,
+                "carry_slot and store_slot: int64 [B, T] or [T]");
+    carry_slot_tensor = carry_slot->reshape({batch, rows}).contiguous();
+    store_slot_tensor = store_slot->reshape({batch, rows}).contiguous();
+    TORCH_CHECK(carry_slot_tensor.scalar_type() == at::kLong && store_slot_tensor.scalar_type() == at::kLong,
+                "carry_slot and store_slot: int64 [B, T] or [T]");
     TORCH_CHECK(state_tensor.device().is_cpu() && carry_slot_tensor.device().is_cpu() &&
                     store_slot_tensor.device().is_cpu(),
                 "state, carry_slot and store_slot: CPU tensors");
@@ -191,7 +209,15 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
   } else {
     last_sum = at::empty({batch, heads, channels}, signal.options().dtype(at::kFloat));
   }
-  auto output = at::empty(signal.sizes(), signal.options());
+  at::Tensor output;
+  if (out.has_value()) {  // written in place (its shape: signal's as given); the first tensor returned is then empty
+    TORCH_CHECK(out->sizes() == signal_input.sizes() && out->scalar_type() == signal.scalar_type() &&
+                    out->is_contiguous() && out->device().is_cpu(),
+                "out: contiguous, signal's shape and dtype");
+    output = out->view(signal.sizes());
+  } else {
+    output = at::empty(signal.sizes(), signal.options());
+  }
   if (signal.scalar_type() == at::kBFloat16) {
     integral_rows<c10::BFloat16>(signal, noise, lambda_, inverse_count, row_flags, carry_tensor, weight_tensor,
                                  normalize, eps, state_tensor, carry_slot_tensor, store_slot_tensor, output, last_sum);
@@ -201,7 +227,91 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal, const at::Ten
                          eps, state_tensor, carry_slot_tensor, store_slot_tensor, output, last_sum);
   }
   if (!last_sum.defined()) last_sum = at::empty({0}, signal.options().dtype(at::kFloat));
+  if (out.has_value()) return {at::empty({0}, signal.options()), last_sum};
   return {output, last_sum};
+}
+
+// Requests packed into one row (a vLLM step): per row, where the integral restarts, counts, reads and stores, built
+// once per step for every layer (the Python equivalent, for every device: `VllmStepRows`). Request r owns the rows
+// query_start_loc[r]:query_start_loc[r + 1] (rows past the last request join it); a request whose first row is past
+// position 0 continues from the state in the tail of the block holding its previous token; a row stores its sum in
+// its own block's tail where it completes the block or is its request's last row. Returns, each [T]:
+//   inverse_count fp32: 1 / (position + 1);  row_flags uint8: ROW_VALID | DOCUMENT_START (each request's first row);
+//   carry_slot, store_slot int64: the block the kernel reads before the row and stores after it (-1: none);
+//   first_row int64: the row's request's first row;  carry_block int64: the block the row's request continues from
+//   (any valid block for a request at position 0: not read);  continues bool: the row's request continues its past;
+// and waves int64 [1]: 1 where a continuing request reads a block that another request of the step stores (the step
+// must run in waves, writers first: the Python path builds them), else 0.
+std::vector<at::Tensor> packed_step_rows(const at::Tensor& positions, const at::Tensor& query_start_loc,
+                                         const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                         int64_t block_size) {
+  TORCH_CHECK(positions.dim() == 1 && query_start_loc.dim() == 1 && slot_mapping.dim() == 1 && block_table.dim() == 2,
+              "positions [T], query_start_loc [R + 1], slot_mapping [>= T], block_table [>= R, blocks]");
+  TORCH_CHECK(block_size > 0, "block_size > 0");
+  const int64_t num_rows = positions.size(0), num_requests = query_start_loc.size(0) - 1;
+  TORCH_CHECK(num_requests >= 1 && num_rows >= 1 && slot_mapping.size(0) >= num_rows &&
+                  block_table.size(0) >= num_requests,
+              "a step of at least one row and one request, a slot per row and a block table row per request");
+  const at::Tensor position = positions.to(at::kLong).contiguous(), start = query_start_loc.to(at::kLong).contiguous();
+  const at::Tensor slot = slot_mapping.narrow(0, 0, num_rows).to(at::kLong).contiguous();
+  TORCH_CHECK(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
+              "block_table: int32 or int64");
+  const bool table_is_int = block_table.scalar_type() == at::kInt;
+  const void* table_data = block_table.data_ptr();
+  const int64_t table_row_stride = block_table.stride(0), table_column_stride = block_table.stride(1);
+  auto table_entry = [&](int64_t r, int64_t column) -> int64_t {
+    const int64_t offset = r * table_row_stride + column * table_column_stride;
+    return table_is_int ? static_cast<const int32_t*>(table_data)[offset] : static_cast<const int64_t*>(table_data)[offset];
+  };
+  const int64_t* position_data = position.data_ptr<int64_t>();
+  const int64_t* start_data = start.data_ptr<int64_t>();
+  const int64_t* slot_data = slot.data_ptr<int64_t>();
+  const auto long_options = positions.options().dtype(at::kLong);
+  auto inverse_count = at::empty({num_rows}, positions.options().dtype(at::kFloat));
+  auto row_flags = at::empty({num_rows}, positions.options().dtype(at::kByte));
+  auto carry_slot = at::empty({num_rows}, long_options), store_slot = at::empty({num_rows}, long_options);
+  auto first_row = at::empty({num_rows}, long_options), carry_block = at::empty({num_rows}, long_options);
+  auto continues = at::empty({num_rows}, positions.options().dtype(at::kBool));
+  auto waves = at::zeros({1}, long_options);
+  float* inverse_data = inverse_count.data_ptr<float>();
+  uint8_t* flag_data = row_flags.data_ptr<uint8_t>();
+  int64_t *carry_slot_data = carry_slot.data_ptr<int64_t>(), *store_slot_data = store_slot.data_ptr<int64_t>();
+  int64_t *first_row_data = first_row.data_ptr<int64_t>(), *carry_block_data = carry_block.data_ptr<int64_t>();
+  bool* continues_data = continues.data_ptr<bool>();
+  std::vector<int64_t> request_of_store, store_blocks, previous_block(num_requests, -1);
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t first = std::min(start_data[r], num_rows - 1);
+    const int64_t end = r == num_requests - 1 ? num_rows : std::min(start_data[r + 1], num_rows);
+    const int64_t first_position = position_data[first];
+    const int64_t previous_index = std::max<int64_t>(first_position - 1, 0) / block_size;
+    TORCH_CHECK(previous_index < block_table.size(1), "position ", first_position, " past the block table of request ", r);
+    const int64_t previous = table_entry(r, previous_index);
+    const bool continuing = first_position > 0;
+    if (start_data[r] < end && continuing) previous_block[r] = previous;
+    for (int64_t t = start_data[r]; t < end; ++t) {
+      const int64_t p = position_data[t];
+      inverse_data[t] = 1.0f / static_cast<float>(p + 1);
+      flag_data[t] = ROW_VALID | (t == first ? DOCUMENT_START : 0);
+      carry_slot_data[t] = (t == first && continuing) ? previous : -1;
+      const bool stores = (p + 1) % block_size == 0 || t == end - 1;
+      const int64_t block = slot_data[t] / block_size;
+      store_slot_data[t] = stores ? block : -1;
+      if (stores) {
+        request_of_store.push_back(r);
+        store_blocks.push_back(block);
+      }
+      first_row_data[t] = first;
+      carry_block_data[t] = previous;
+      continues_data[t] = continuing;
+    }
+  }
+  for (int64_t r = 0; r < num_requests; ++r) {
+    if (previous_block[r] < 0) continue;
+    for (size_t s = 0; s < store_blocks.size(); ++s) {
+      if (store_blocks[s] == previous_block[r] && request_of_store[s] != r) waves.fill_(1);
+    }
+  }
+  return {inverse_count, row_flags, carry_slot, store_slot, first_row, carry_block, continues, waves};
 }
 
 }  // namespace
@@ -210,16 +320,30 @@ TORCH_LIBRARY(@NAMESPACE@, m) {
   m.def(
       "integral_forward(Tensor signal, Tensor noise, Tensor lambda_, Tensor inverse_count, Tensor row_flags, "
       "Tensor? carry, Tensor? norm_weight, bool normalize, float eps, Tensor(a!)? state=None, "
-      "Tensor? carry_slot=None, Tensor? store_slot=None) -> Tensor[]");
+      "Tensor? carry_slot=None, Tensor? store_slot=None, Tensor(b!)? out=None) -> Tensor[]");
+  m.def(
+      "packed_step_rows(Tensor positions, Tensor query_start_loc, Tensor slot_mapping, Tensor block_table, "
+      "int block_size) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(@NAMESPACE@, CPU, m) { m.impl("integral_forward", &integral_forward); }
+TORCH_LIBRARY_IMPL(@NAMESPACE@, CPU, m) {
+  m.impl("integral_forward", &integral_forward);
+  m.impl("packed_step_rows", &packed_step_rows);
+}
 """
 
 ROW_VALID, DOCUMENT_START = 1, 2
 """The bits of the kernel's per-row flags (`DintIntegralLayout.row_flags`), written into the source below."""
 
-_SOURCE_BODY = KERNEL_TEMPLATE.replace("@ROW_VALID@", str(ROW_VALID)).replace("@DOCUMENT_START@", str(DOCUMENT_START))
+PARALLEL_VALUES = 16384
+"""The kernel splits its (batch row, head) pairs over threads in chunks of at least this many values (rows x channels
+each): below it a chunk's work (tens of microseconds) costs less than waking the thread team."""
+
+_SOURCE_BODY = (
+    KERNEL_TEMPLATE.replace("@ROW_VALID@", str(ROW_VALID))
+    .replace("@DOCUMENT_START@", str(DOCUMENT_START))
+    .replace("@PARALLEL_VALUES@", str(PARALLEL_VALUES))
+)
 NAMESPACE = "dint_cpu_" + hashlib.sha256(_SOURCE_BODY.encode()).hexdigest()[:12]
 """The op's namespace, `torch.ops.<NAMESPACE>.integral_forward`: one per version of the source."""
 KERNEL_SOURCE = _SOURCE_BODY.replace("@NAMESPACE@", NAMESPACE)
@@ -270,6 +394,14 @@ def integral_kernel():
             _state["op"] = _build()
         _state["tried"] = True
     return _state["op"]
+
+
+def packed_step_rows_kernel():
+    """`torch.ops.<NAMESPACE>.packed_step_rows` (built with `integral_kernel`), or None where the kernel is not:
+    the rows of a vLLM step, prepared once for every layer (`modeling_dint_vllm.VllmStepRows.prepared`)."""
+    if integral_kernel() is None:
+        return None
+    return getattr(torch.ops, NAMESPACE).packed_step_rows
 
 
 def _build():

@@ -559,6 +559,14 @@ def carried_state(cache, layer_idx: int, state_idx: int) -> torch.Tensor | None:
     return get_recurrent_state(cache, layer_idx, state_idx)
 
 
+def kernel_head_norm(head_norm: nn.Module) -> tuple:
+    """The fused kernel's head-norm arguments `(weight, normalize, eps)` for `head_norm` (torch's `nn.RMSNorm` over the
+    channels, or `nn.Identity`: no norm): torch's RMSNorm default eps where the module has none."""
+    normalize = isinstance(head_norm, nn.RMSNorm)
+    eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
+    return (head_norm.weight if normalize else None), normalize, eps
+
+
 class DintIntegral:
     """The integral term of one DINT layer, for every head layout and every caller: given the differential outputs
     (or maps) and lambda, it reads the sums the cache carries, runs the running sum over the query rows, stores the new
@@ -598,7 +606,7 @@ class DintIntegral:
         if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
             combined = signal_output - lambda_ * noise_output
             return combined if head_norm is None else head_norm(combined).to(signal_output.dtype)
-        if head_norm is not None and self._takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
+        if head_norm is not None and self.takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
             return self._cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm)
         output_dtype = signal_output.dtype
         # The sums and the combination are fp32: both outputs cast once here (a no-op in fp32). An op with bf16 and fp32
@@ -615,7 +623,7 @@ class DintIntegral:
         )
         return combined if head_norm is None else head_norm(combined).to(output_dtype)
 
-    def _takes_cpu_kernel(
+    def takes_cpu_kernel(
         self,
         signal_output: torch.Tensor,
         noise_output: torch.Tensor,
@@ -673,33 +681,58 @@ class DintIntegral:
         in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache, or, for packed requests,
         each request's sums in the cache's table in place (`integral_state_table`)."""
         batch_size, query_length, heads, channels = signal_output.shape
-        lambda_rows = lambda_.reshape(1, 1, 1) if lambda_.dim() == 0 else lambda_[..., 0]  # -> [B, T, heads]
-        carry = state_table = carry_slot = store_slot = None
+        inverse_count = layout.inverse_query_count[:, :, 0, 0]
+        row_flags = layout.row_flags(batch_size, query_length, signal_output.device)
         if cache is not None and layout.carry_per_row:
             state_table, carry_slot, store_slot = cache.integral_state_table(self.layer_idx)
-        elif cache is not None:
-            carry = carried_state(cache, self.layer_idx, SIGNAL_SUM)
+            return self.packed_requests_kernel(
+                signal_output, noise_output, lambda_, inverse_count, row_flags, state_table, carry_slot, store_slot,
+                head_norm,
+            )
+        carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
         if carry is not None:
             carry = carry.expand(batch_size, heads, channels)  # a state kept once for the batch broadcasts, as in eager
-        normalize = isinstance(head_norm, nn.RMSNorm)
-        eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
         output, last_signal_sum = integral_kernel()(
-            signal_output,
-            noise_output,
-            lambda_rows.expand(batch_size, query_length, heads),
-            layout.inverse_query_count[:, :, 0, 0].expand(batch_size, query_length),
-            layout.row_flags(batch_size, query_length, signal_output.device),
-            carry,
-            head_norm.weight if normalize else None,
-            normalize,
-            eps,
-            state_table,
-            carry_slot,
-            store_slot,
+            signal_output, noise_output, lambda_, inverse_count, row_flags, carry, *kernel_head_norm(head_norm)
         )
-        if cache is not None and state_table is None:
+        if cache is not None:
             cache.update_recurrent_state(last_signal_sum, self.layer_idx, state_idx=SIGNAL_SUM)
         return output
+
+    def packed_requests_kernel(
+        self,
+        signal_output: torch.Tensor,
+        noise_output: torch.Tensor,
+        lambda_: torch.Tensor,
+        inverse_count: torch.Tensor,
+        row_flags: torch.Tensor,
+        state_table: torch.Tensor,
+        carry_slot: torch.Tensor,
+        store_slot: torch.Tensor,
+        head_norm: nn.Module,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`integral_cpu_kernel`'s one pass over requests packed into one row, each reading and storing its sums in
+        `state_table` in place (where `takes_cpu_kernel` holds): the kernel call of `_cpu_kernel` for packed requests,
+        and of vLLM's integral op with the rows its step prepared once for every layer.
+
+        Args:
+            signal_output, noise_output (`[1, T, heads, C]` or `[T, heads, C]`): O1 and O2.
+            lambda_ (fp32): a scalar, or per row and head `[(1,) T, heads(, 1)]`.
+            inverse_count (`[(1,) T]` fp32), row_flags (`[(1,) T]` uint8): the layout's `1 / c_n` and `row_flags`.
+            state_table (`[slots, heads, C]` fp32), carry_slot, store_slot (`[(1,) T]` int64, -1 for none): the sums,
+                the slot each row reads before it and stores after it.
+            head_norm (`nn.RMSNorm` or `nn.Identity`): the attention's head norm.
+            output (*optional*): written in place (contiguous, O1's shape and dtype).
+
+        Returns:
+            The normalized combination in O1's dtype and shape (`output` where given).
+        """
+        combined, _ = integral_kernel()(
+            signal_output, noise_output, lambda_, inverse_count, row_flags, None, *kernel_head_norm(head_norm),
+            state_table, carry_slot, store_slot, output,
+        )
+        return combined if output is None else output
 
     def maps(
         self,

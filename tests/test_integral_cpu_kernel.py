@@ -324,3 +324,40 @@ def test_continuous_batching_stores_the_sum_at_each_block_end(layout, eager_inte
     assert expected_sums.abs().sum() > 0
     # sums of up to 37 rows of O(1) values, added in another order (the eager blocked scan): 1e-4
     torch.testing.assert_close(actual_sums, expected_sums, atol=1e-4, rtol=1e-4)
+
+
+@requires_toolchain
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
+    """vLLM's op calls the kernel with `[T, heads, C]` rows, per-row arguments `[T]`, lambda a scalar (v1) or
+    `[T, heads, 1]` (v2), and its own output buffer: the same output and state table, bit for bit (the same code on the
+    same machine), as the batched call `[1, T, heads, C]` with a new output."""
+    from modeling_dint.integral_dint import DintIntegral
+
+    torch.manual_seed(0)
+    rows, heads, channels, slots = 7, 3, 16, 5
+    signal, noise = torch.randn(rows, heads, channels, dtype=dtype), torch.randn(rows, heads, channels, dtype=dtype)
+    inverse_count = 1.0 / torch.arange(3, 3 + rows, dtype=torch.float32)
+    row_flags = torch.tensor([3, 1, 1, 3, 1, 1, 1], dtype=torch.uint8)
+    carry_slot = torch.tensor([2, -1, -1, -1, -1, -1, -1])
+    store_slot = torch.tensor([-1, -1, 2, -1, -1, 4, 3])
+    head_norm = torch.nn.RMSNorm(channels, eps=1e-6)
+    with torch.no_grad():
+        head_norm.weight.uniform_(0.5, 1.5)
+    integral = DintIntegral("mean", layer_idx=0)
+    for lambda_ in (torch.tensor(0.4), torch.rand(rows, heads, 1)):
+        table = torch.randn(slots, heads, channels)
+        expected_table = table.clone()
+        batched_lambda = lambda_ if lambda_.dim() == 0 else lambda_[None]
+        with torch.no_grad():
+            expected = integral.packed_requests_kernel(
+                signal[None], noise[None], batched_lambda, inverse_count[None], row_flags[None], expected_table,
+                carry_slot[None], store_slot[None], head_norm,
+            )[0]
+            output = torch.full_like(signal, float("nan"))
+            returned = integral.packed_requests_kernel(
+                signal, noise, lambda_, inverse_count, row_flags, table, carry_slot, store_slot, head_norm, output
+            )
+        assert returned is output
+        assert torch.equal(output, expected)
+        assert torch.equal(table, expected_table) and not torch.equal(table[[2, 3, 4]], torch.zeros(3, heads, channels))

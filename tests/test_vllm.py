@@ -329,6 +329,56 @@ def test_waves_read_what_the_earlier_wave_stored():
 HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
 
 
+@pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja: the CPU kernel cannot build")
+def test_prepared_step_rows_equal_the_torch_rows():
+    """The rows a step prepares in one call of the CPU op (`PreparedStepRows`, what the vLLM op runs on CPU) equal
+    those the torch ops build (`VllmStepRows`, every device): per row the kernel's inverse count, flags, carry and store
+    slots, and the eager path's layout, stores and carried blocks, over random steps of prefills, chunks and decodes
+    (block table in vLLM's int32); a step with a same-step writer is left to the torch rows and their waves."""
+    from modeling_dint.vllm.modeling_dint_vllm import PreparedStepRows, VllmStepRows
+
+    generator = torch.Generator().manual_seed(0)
+    block_size, blocks_per_request = 4, 6
+    for trial in range(200):
+        num_requests = int(torch.randint(1, 6, (), generator=generator))
+        lengths = torch.ones(num_requests, dtype=torch.long) if trial % 3 == 0 else torch.randint(1, 9, (num_requests,), generator=generator)
+        first_positions = torch.randint(0, 12, (num_requests,), generator=generator)
+        positions = torch.cat([torch.arange(f, f + n) for f, n in zip(first_positions.tolist(), lengths.tolist())])
+        query_start_loc = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).int()
+        block_table = (torch.randperm(num_requests * blocks_per_request + 8, generator=generator)[: num_requests * blocks_per_request]
+                       .reshape(num_requests, blocks_per_request).int())
+        row_request = torch.repeat_interleave(torch.arange(num_requests), lengths)
+        slot_mapping = block_table[row_request, positions // block_size].long() * block_size + positions % block_size
+        previous_blocks = block_table[torch.arange(num_requests), (first_positions - 1).clamp(min=0) // block_size]
+        expected = VllmStepRows(positions, query_start_loc.long(), slot_mapping // block_size, previous_blocks, block_size,
+                                one_row_each=trial % 3 == 0)
+        prepared = PreparedStepRows.prepare(positions, query_start_loc, slot_mapping, block_table, block_size)
+        assert expected.waves is None and prepared is not None
+        inverse_count, row_flags, carry_slot, store_slot = prepared.kernel_rows
+        assert torch.equal(inverse_count[None], expected.layout.inverse_query_count[:, :, 0, 0])
+        assert torch.equal(row_flags[None], expected.layout.row_flags(1, positions.shape[0], positions.device))
+        assert all(torch.equal(a, b) for a, b in zip(prepared.kernel_slots(), expected.kernel_slots()))
+        for field in ("restart_row", "in_carried_document", "running_query_count", "inverse_query_count"):
+            assert torch.equal(getattr(prepared.layout, field), getattr(expected.layout, field)), field
+        assert torch.equal(prepared.store_rows, expected.store_rows)
+        assert torch.equal(prepared.store_blocks, expected.store_blocks)
+        continuing = expected.layout.in_carried_document[0]
+        assert torch.equal(prepared.carry_blocks[continuing], expected.carry_blocks[continuing])
+
+    # The waves step of `test_waves_read_what_the_earlier_wave_stored`: B continues from block 10, which A completes
+    positions = torch.tensor([4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7])
+    block_table = torch.tensor([[10, 12], [10, 11]], dtype=torch.int32)
+    slot_mapping = torch.tensor([12, 12, 12, 10, 10, 10, 10, 11, 11, 11, 11]) * block_size + positions % block_size
+    query_start_loc = torch.tensor([0, 3, 11], dtype=torch.int32)
+    assert PreparedStepRows.prepare(positions, query_start_loc, slot_mapping, block_table, block_size) is None
+    assert VllmStepRows(positions, query_start_loc.long(), slot_mapping // block_size, torch.tensor([10, 10]),
+                        block_size).waves is not None
+    # Without the writer (A's first block is 13, not the block B continues from) the same step needs no waves
+    slot_mapping[3:7] = 13 * block_size + positions[3:7]
+    block_table[1, 0] = 13
+    assert PreparedStepRows.prepare(positions, query_start_loc, slot_mapping, block_table, block_size) is not None
+
+
 EAGER_RUNS = ("chunked", "prefix_eager", "preemption")
 """The runs on the eager integral (gather, running sum, scatter: what vLLM runs off CPU); the others take the kernel."""
 

@@ -46,7 +46,7 @@ against the installed vLLM and fails loudly when one changes. Written for `WRITT
 
 from collections.abc import Iterable
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from math import prod
 
 import torch
@@ -67,6 +67,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_in
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..configuration_dint import DintConfig
+from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
 from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
 from ..modeling_dint import DintHeadRMSNorm, reparameterized_lambda
 
@@ -170,12 +171,16 @@ class VllmStepRows:
             blocks are read first, so that each wave reads tails the earlier ones stored.
         `kernel_slots()`: for the CPU kernel, per row the block it reads before it and the block it stores after it
             (`[1, T]` int64, -1 for none), built on the first call of the step.
+        kernel_rows (`tuple` or None): None here; a `PreparedStepRows` (on CPU, with the package's kernel, a step
+            without waves) has the CPU kernel's per-row arguments `[T]` (`DintIntegral.packed_requests_kernel`: inverse count, row flags,
+            carry slot, store slot), so that each layer's op is one kernel call.
     """
 
     def __init__(
         self, positions, cu_seq_lens_q, row_blocks, previous_blocks, block_size: int, split_waves=True, one_row_each=False
     ):
         self._kernel_slots = None
+        self.kernel_rows = None
         self.waves = None
         if one_row_each:
             reads_full_block = (positions > 0) & (positions % block_size == 0)
@@ -240,10 +245,66 @@ class VllmStepRows:
         return self._kernel_slots
 
 
+class PreparedStepRows(VllmStepRows):
+    """A step's `VllmStepRows` from one call of the package's CPU op (`integral_cpu_kernel.packed_step_rows_kernel`:
+    what `VllmStepRows.__init__` computes, from vLLM's metadata without a torch op per field): `kernel_rows` at once,
+    the rest (for the eager ops) on first use. `prepare` builds it: on CPU with the kernel, for a step without waves."""
+
+    waves = None
+
+    def __init__(self, positions, inverse_count, row_flags, carry_slot, store_slot, first_row, carry_block, continues):
+        self.kernel_rows = (inverse_count, row_flags, carry_slot, store_slot)
+        self._positions, self._first_row, self._continues, self.carry_blocks = positions, first_row, continues, carry_block
+
+    @classmethod
+    def prepare(cls, positions, query_start_loc, slot_mapping, block_table, block_size: int) -> "PreparedStepRows | None":
+        """
+        Args:
+            positions (`[T]`): the step's real rows' positions.
+            query_start_loc (`[R + 1]`), slot_mapping (`[>= T]`), block_table (`[>= R, blocks]`): vLLM's metadata.
+            block_size (`int`): tokens per KV block.
+
+        Returns:
+            The step's rows, or None off CPU, without the kernel, or where the step needs waves.
+        """
+        prepare = packed_step_rows_kernel() if positions.device.type == "cpu" else None
+        if prepare is None:
+            return None
+        *rows, waves = prepare(positions, query_start_loc, slot_mapping, block_table, block_size)
+        return None if waves.item() else cls(positions, *rows)
+
+    @cached_property
+    def layout(self) -> DintIntegralLayout:
+        inverse_count = self.kernel_rows[0]
+        return DintIntegralLayout(
+            restart_row=self._first_row[None],
+            in_carried_document=self._continues[None],
+            carry_per_row=True,
+            running_query_count=(self._positions + 1).float()[None],
+            inverse_query_count=inverse_count[None, :, None, None],
+            kernel_row_flags=self.kernel_rows[1][None],
+        )
+
+    @cached_property
+    def store_rows(self) -> torch.Tensor:
+        return (self.kernel_rows[3] >= 0).nonzero()[:, 0]
+
+    @cached_property
+    def store_blocks(self) -> torch.Tensor:
+        return self.kernel_rows[3][self.store_rows]
+
+    def kernel_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel_rows[2][None], self.kernel_rows[3][None]
+
+
 def vllm_step_rows(attn_metadata, positions: torch.Tensor, block_size: int) -> VllmStepRows:
     """The step's `VllmStepRows` from the attention's metadata (built by the first DINT layer of the step, kept on the
     metadata, which vLLM shares between the layers of one KV cache group). `positions` `[T]`: the step's real rows."""
     step_rows = getattr(attn_metadata, "_dint_step", None)
+    if step_rows is None:
+        step_rows = attn_metadata._dint_step = PreparedStepRows.prepare(
+            positions, attn_metadata.query_start_loc, attn_metadata.slot_mapping, attn_metadata.block_table, block_size
+        )
     if step_rows is None:
         num_rows, num_requests = positions.shape[0], attn_metadata.query_start_loc.shape[0] - 1
         one_row_each = num_rows == num_requests and attn_metadata.max_query_len == 1
@@ -312,10 +373,22 @@ def integral_output(
         output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, None, layer.head_norm)[0]
         return
     num_tokens = attn_metadata.num_actual_tokens
-    step_rows = vllm_step_rows(attn_metadata, positions[:num_tokens], layer.attention.integral_block_size)
-    step_integral(layer, signal_output, noise_output, lambda_, step_rows, output)
-    if num_tokens < output.shape[0]:
+    padded = num_tokens < output.shape[0]
+    if padded:
         output[num_tokens:] = 0.0
+        positions, signal_output, noise_output = positions[:num_tokens], signal_output[:num_tokens], noise_output[:num_tokens]
+        lambda_, output = (lambda_[:num_tokens] if lambda_.dim() > 0 else lambda_), output[:num_tokens]
+    step_rows = vllm_step_rows(attn_metadata, positions, layer.attention.integral_block_size)
+    step = vllm_integral_step(layer, step_rows)
+    if step is not None and step_rows.kernel_rows is not None and layer.takes_kernel(signal_output, noise_output, lambda_, step):
+        # On CPU: one kernel call with the rows the step prepared for every layer
+        inverse_count, row_flags, carry_slot, store_slot = step_rows.kernel_rows
+        layer.integral.packed_requests_kernel(
+            signal_output, noise_output, lambda_, inverse_count, row_flags, step.state_table, carry_slot, store_slot,
+            layer.head_norm, output,
+        )
+        return
+    step_integral(layer, signal_output, noise_output, lambda_, step_rows, output)
 
 
 def step_integral(
@@ -328,14 +401,7 @@ def step_integral(
 ) -> None:
     """Writes into `output` the integral of the step's rows `step_rows` (arguments as `integral_output`'s), wave by
     wave where the step has waves, each wave reading the block tails the earlier ones stored."""
-    if step_rows.waves is None:
-        num_tokens = step_rows.carry_blocks.shape[0]
-        if num_tokens < signal_output.shape[0]:
-            signal_output, noise_output = signal_output[:num_tokens], noise_output[:num_tokens]
-            lambda_, output = (lambda_[:num_tokens] if lambda_.dim() > 0 else lambda_), output[:num_tokens]
-        parts = [(None, step_rows)]
-    else:
-        parts = step_rows.waves
+    parts = [(None, step_rows)] if step_rows.waves is None else step_rows.waves
     for rows, part in parts:
         part_signal, part_noise, part_lambda = signal_output, noise_output, lambda_  # [T, H/2, C], lambda [T, H/2, 1]
         if rows is not None:
@@ -436,9 +502,13 @@ class DintPagedAttention(Attention):
 
     @property
     def integral_state_table(self) -> torch.Tensor:
-        """`[blocks, H/2 / tp, C]` fp32: the tails of the bound cache's pages (a view made on each use from the offsets
-        checked at binding, so that a cache vLLM unbinds is not held)."""
-        return page_tail_state_table(self.kv_cache, self.integral_state_view)
+        """`[blocks, H/2 / tp, C]` fp32: the tails of the bound cache's pages (a view made on the first use from the
+        offsets checked at binding, kept on the cache tensor itself, so that it lives as long as the cache vLLM binds,
+        and a cache vLLM unbinds is not held)."""
+        table = getattr(self.kv_cache, "_dint_integral_state_table", None)
+        if table is None:
+            table = self.kv_cache._dint_integral_state_table = page_tail_state_table(self.kv_cache, self.integral_state_view)
+        return table
 
     @property
     def integral_block_size(self) -> int:
@@ -456,6 +526,7 @@ class DintIntegralState(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.integral = DintIntegral(config.integral, layer_idx=extract_layer_index(prefix))
+        self._kernel_decision = (None, False)  # (the kernel it was decided for, whether it computes the integral)
         self.use_head_norm(None)
         static_forward_context = vllm_config.compilation_config.static_forward_context
         if prefix in static_forward_context:
@@ -466,6 +537,19 @@ class DintIntegralState(nn.Module):
         """The op normalizes with the attention's `head_norm` (None: none): kept in `__dict__`, so that the module
         tree (parameter names, weight loading) does not hold it twice."""
         self.__dict__["head_norm"] = nn.Identity() if head_norm is None else head_norm
+
+    def takes_kernel(self, signal_output, noise_output, lambda_, step: "VllmIntegralStep") -> bool:
+        """Whether the fused CPU kernel computes this layer's integral (`DintIntegral.takes_cpu_kernel`; arguments as
+        `forward`'s, and the step's cache): decided on the first step and kept while the kernel is the same (what it
+        depends on does not change between the steps of an engine: device, dtype, the head norm, no gradient)."""
+        kernel = integral_kernel()
+        if self._kernel_decision[0] is not kernel or kernel is None:
+            takes = self.integral.takes_cpu_kernel(
+                signal_output[None], noise_output[None], lambda_ if lambda_.dim() == 0 else lambda_[None],
+                step.step_rows.layout, step, self.head_norm,
+            )
+            self._kernel_decision = (kernel, takes)
+        return self._kernel_decision[1]
 
     def use_attention(self, attention: DintPagedAttention) -> None:
         """The paged attention whose KV pages hold this layer's states (kept in `__dict__`, as the head norm)."""
