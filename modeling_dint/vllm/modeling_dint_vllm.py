@@ -11,8 +11,9 @@ lambda, and the package's own `DintIntegral` (`integral_dint.py`, the code trans
 
 The running sum, the combination and the head norm run in one op (`INTEGRAL_OP`): on CPU, in fp32 and bf16, the
 package's fused kernel (`integral_cpu_kernel.py`), which reads each request's state from its block's page tail and
-stores it back in place; elsewhere the eager ops, which gather the states per row and scatter them after the rows that
-store.
+stores it back in place, one kernel call per layer over the rows the step prepared once for every layer in one C++
+call (`PreparedStepRows`); elsewhere the eager ops, which gather the states per row and scatter them after the rows
+that store, over the same rows built by torch ops (`VllmStepRows`).
 
 **v1 (the paper's layout, DiffLlama's): one attention call, Llama's KV-cache bytes.** H softmax maps, the first H/2
 signal maps A1, the last H/2 noise maps A2, each differential head j reading the 2d value channels of KV head pair
