@@ -89,8 +89,8 @@ void integral_rows(const at::Tensor& signal, const at::Tensor& noise, const at::
   const float epsilon = static_cast<float>(eps);
   const float inverse_channels = 1.0f / static_cast<float>(channels);
 
-  // (batch row, head) pairs per thread: at least PARALLEL_VALUES values of work (a decoding step's few pairs run on the
-  // calling thread: waking a thread team costs more than their work)
+  // (batch row, head) pairs: on the calling thread while all of them hold at most PARALLEL_VALUES values (a decoding
+  // step's few pairs: waking the thread team costs more than their work), else split over the team
   const int64_t grain = std::max<int64_t>(1, @PARALLEL_VALUES@ / std::max<int64_t>(1, rows * channels));
   at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> running(channels), combined(channels), weight(channels, 1.0f);
@@ -164,6 +164,9 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal_input, const a
   TORCH_CHECK(lambda_input.scalar_type() == at::kFloat, "lambda: fp32");
   at::Tensor lambda_ = lambda_input;
   if (lambda_.dim() == signal_input.dim() && lambda_.size(-1) == 1) lambda_ = lambda_.squeeze(-1);
+  TORCH_CHECK(lambda_.dim() == 0 || (lambda_.dim() == signal_input.dim() - 1 && lambda_.size(-1) == signal.size(2)),
+              "lambda: a scalar, or one per row and head (signal's shape without its channels, optionally with a "
+              "trailing 1)");
   lambda_ = lambda_.expand({signal.size(0), rows, signal.size(2)});
   TORCH_CHECK(inverse_input.scalar_type() == at::kFloat, "inverse_count: fp32 [B, T] or [T]");
   TORCH_CHECK(flags_input.scalar_type() == at::kByte, "row_flags: uint8 [B, T] or [T]");
@@ -228,7 +231,7 @@ std::vector<at::Tensor> integral_forward(const at::Tensor& signal_input, const a
   }
   if (!last_sum.defined()) last_sum = at::empty({0}, signal.options().dtype(at::kFloat));
   if (out.has_value()) return {at::empty({0}, signal.options()), last_sum};
-  return {output, last_sum};
+  return {signal_input.dim() == 3 ? output.squeeze(0) : output, last_sum};
 }
 
 // Requests packed into one row (a vLLM step): per row, where the integral restarts, counts, reads and stores, built
@@ -293,16 +296,27 @@ std::vector<at::Tensor> packed_step_rows(const at::Tensor& positions, const at::
       inverse_data[t] = 1.0f / static_cast<float>(p + 1);
       flag_data[t] = ROW_VALID | (t == first ? DOCUMENT_START : 0);
       carry_slot_data[t] = (t == first && continuing) ? previous : -1;
-      const bool stores = (p + 1) % block_size == 0 || t == end - 1;
-      const int64_t block = slot_data[t] / block_size;
-      store_slot_data[t] = stores ? block : -1;
-      if (stores) {
-        request_of_store.push_back(r);
-        store_blocks.push_back(block);
-      }
+      store_slot_data[t] = (p + 1) % block_size == 0 ? 1 : 0;  // a flag here; the block below
       first_row_data[t] = first;
       carry_block_data[t] = previous;
       continues_data[t] = continuing;
+    }
+  }
+  // Each request's last row stores too (the row before the next request's first, clamped into the step, as
+  // `VllmStepRows` counts it); a row with no slot (vLLM's -1 padding) stores nothing
+  for (int64_t r = 0; r < num_requests; ++r) {
+    store_slot_data[std::min(std::max<int64_t>(start_data[r + 1] - 1, 0), num_rows - 1)] = 1;
+  }
+  std::vector<int64_t> row_request(num_rows, num_requests - 1);
+  for (int64_t r = 0; r < num_requests; ++r) {
+    for (int64_t t = start_data[r]; t < std::min(start_data[r + 1], num_rows); ++t) row_request[t] = r;
+  }
+  for (int64_t t = 0; t < num_rows; ++t) {
+    const bool stores = store_slot_data[t] == 1 && slot_data[t] >= 0;
+    store_slot_data[t] = stores ? slot_data[t] / block_size : -1;
+    if (stores) {
+      request_of_store.push_back(row_request[t]);
+      store_blocks.push_back(store_slot_data[t]);
     }
   }
   for (int64_t r = 0; r < num_requests; ++r) {
@@ -336,8 +350,9 @@ ROW_VALID, DOCUMENT_START = 1, 2
 """The bits of the kernel's per-row flags (`DintIntegralLayout.row_flags`), written into the source below."""
 
 PARALLEL_VALUES = 16384
-"""The kernel splits its (batch row, head) pairs over threads in chunks of at least this many values (rows x channels
-each): below it a chunk's work (tens of microseconds) costs less than waking the thread team."""
+"""The kernel runs its (batch row, head) pairs on the calling thread while they hold at most this many values (rows x
+channels each) in all, and splits them over the thread team above it: below it the work (tens of microseconds) costs
+less than waking the team."""
 
 _SOURCE_BODY = (
     KERNEL_TEMPLATE.replace("@ROW_VALID@", str(ROW_VALID))

@@ -347,7 +347,7 @@ def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
     integral = DintIntegral("mean", layer_idx=0)
     for lambda_ in (torch.tensor(0.4), torch.rand(rows, heads, 1)):
         table = torch.randn(slots, heads, channels)
-        expected_table = table.clone()
+        initial_table, expected_table = table.clone(), table.clone()
         batched_lambda = lambda_ if lambda_.dim() == 0 else lambda_[None]
         with torch.no_grad():
             expected = integral.packed_requests_kernel(
@@ -360,4 +360,13 @@ def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
             )
         assert returned is output
         assert torch.equal(output, expected)
-        assert torch.equal(table, expected_table) and not torch.equal(table[[2, 3, 4]], torch.zeros(3, heads, channels))
+        assert torch.equal(table, expected_table)
+        assert torch.equal(table[[0, 1]], initial_table[[0, 1]])  # the slots no row stores in
+        assert all(not torch.equal(table[slot], initial_table[slot]) for slot in (2, 3, 4))
+        with torch.no_grad():  # without `out`: a new output of O1's shape
+            assert integral.packed_requests_kernel(
+                signal, noise, lambda_, inverse_count, row_flags, table.clone(), carry_slot, store_slot, head_norm
+            ).shape == signal.shape
+    with pytest.raises(RuntimeError, match="lambda: a scalar, or one per row and head"):
+        integral.packed_requests_kernel(signal, noise, torch.rand(heads, 1), inverse_count, row_flags, table,
+                                        carry_slot, store_slot, head_norm)

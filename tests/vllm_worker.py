@@ -12,7 +12,8 @@ per run the engine's preemption count. `drop_integral_state` is the negative con
 sees only its own tokens' running sum. `eager_integral`: the integral runs as eager ops, not the fused CPU kernel.
 
 OUT.json: `{name: {"requests": [[{"token_ids", "logprobs", "num_cached_tokens"}, ...] per batch], "preemptions": n,
-"kv_cache_tokens": n, "block_size": n, "kernel_built": bool, "kernel_calls": n, "kernel_table_calls": n, "wave_steps": n}}` (the KV
+"kv_cache_tokens": n, "block_size": n, "kernel_built": bool, "kernel_calls": n, "kernel_table_calls": n, "kernel_prepared_calls": n,
+"wave_steps": n}}` (the KV
 cache's capacity in tokens; the fused CPU integral kernel: built in this process, its calls in the run, and those that
 read and stored the requests' state table; the steps whose integral ran in waves).
 """
@@ -42,16 +43,26 @@ def integral_state_dropped(dropped: bool):
         modeling_dint_vllm.vllm_integral_step = original
 
 
+class KernelCalls(list):
+    """Per call of the fused kernel: whether it read and stored a state table (vLLM's requests), not a step without
+    state; `prepared`, per call: whether it wrote vLLM's output buffer (the op's path over `PreparedStepRows`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared = []
+
+
 @contextlib.contextmanager
 def integral_kernel_counted(eager: bool):
     """Counts the fused CPU integral kernel's calls in the block (where it was built), or turns it off (`eager`)."""
     from modeling_dint import integral_cpu_kernel
 
     op = integral_cpu_kernel.integral_kernel()
-    calls = []  # per call: whether it read and stored a state table (vLLM's requests), not a step without state
+    calls = KernelCalls()
 
     def counted(*args):
         calls.append(len(args) > 9 and args[9] is not None)
+        calls.prepared.append(len(args) > 12 and args[12] is not None)
         return op(*args)
 
     integral_cpu_kernel._state["op"] = None if eager or op is None else counted
@@ -130,7 +141,8 @@ def main() -> None:
             with integral_kernel_counted(run.get("eager_integral", False)) as (calls, built):
                 results[run["name"]] = run_one(run.get("model", spec["model"]), run)
         results[run["name"]].update(
-            kernel_built=built, kernel_calls=len(calls), kernel_table_calls=sum(calls), wave_steps=len(wave_steps)
+            kernel_built=built, kernel_calls=len(calls), kernel_table_calls=sum(calls),
+            kernel_prepared_calls=sum(calls.prepared), wave_steps=len(wave_steps)
         )
     with open(out_path, "w", encoding="utf-8") as file:
         json.dump(results, file)

@@ -542,9 +542,11 @@ class DintIntegralState(nn.Module):
     def takes_kernel(self, signal_output, noise_output, lambda_, step: "VllmIntegralStep") -> bool:
         """Whether the fused CPU kernel computes this layer's integral (`DintIntegral.takes_cpu_kernel`; arguments as
         `forward`'s, and the step's cache): decided on the first step and kept while the kernel is the same (what it
-        depends on does not change between the steps of an engine: device, dtype, the head norm, no gradient)."""
+        depends on does not change between the steps of an engine: device, dtype, the head norm, no gradient; a hook on
+        the head norm, which the kernel would not run, is looked for on every call)."""
         kernel = integral_kernel()
-        if self._kernel_decision[0] is not kernel or kernel is None:
+        head_norm = self.head_norm
+        if self._kernel_decision[0] is not kernel or kernel is None or head_norm._forward_hooks or head_norm._forward_pre_hooks:
             takes = self.integral.takes_cpu_kernel(
                 signal_output[None], noise_output[None], lambda_ if lambda_.dim() == 0 else lambda_[None],
                 step.step_rows.layout, step, self.head_norm,
