@@ -522,3 +522,28 @@ def test_language_modelling_comparison_runs_to_its_summary(tmp_path, capsys):
     compare.main(arguments)  # resumes: every job is in the journal
     assert len((tmp_path / "jobs.jsonl").read_text().splitlines()) == len(records)
     assert "jobs to run" not in capsys.readouterr().out
+
+
+def test_report_gives_the_summarys_verdicts_and_the_budget_curves(tmp_path):
+    """`report_v2.py` (issue 38 item 5) from the committed journals: at hidden 64 (complete) every verdict of
+    `h64/summary.md` under its claim, the pairs without a verdict named as such, and the budget curve of DIFF-V1 as the
+    paper defines it (on the plateau at every seed, its retries included); every pair belongs to one claim."""
+    import report_v2
+
+    report = report_v2.write_report(tmp_path)
+    assert (tmp_path / "report.md").read_text() == report
+    summary = (RESEARCH_DIR / "results" / "v2" / "h64" / "summary.md").read_text()
+    verdict_lines = re.findall(r"^- (\w+) beats (\w+)\? (.*)\.$", summary, flags=re.MULTILINE)
+    assert len(verdict_lines) == 7
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in report.splitlines() if " vs " in line and line.startswith("| ")}
+    for a, b, verdicts in verdict_lines:
+        cell = rows[f"{report_v2.name(a)} vs {report_v2.name(b)}"]
+        for measure in verdicts.split("; "):
+            label, verdict_and_difference = measure.split(": ")
+            verdict, difference = re.match(r"(yes|reversed|no difference) (.*)", verdict_and_difference).groups()
+            assert f"{label}: **{verdict}** {difference}" in cell
+    for a, b in (("dint", "diff"), ("diff", "transformer")):
+        assert rows[f"{report_v2.name(a)} vs {report_v2.name(b)}"].startswith("no verdict (learned ")
+    budget = report.split("## Budget curves")[1].split("## Claim 1")[0]
+    diff_at_64 = budget.split(f"- hidden 64, {report_v2.name('diff')}")[1].split("\n- ")[0]
+    assert diff_at_64.count("main lr 0.001: ") == diff_at_64.count("retry lr 0.0005: ") == 5

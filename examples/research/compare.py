@@ -204,6 +204,27 @@ def pairs_run_on_every_seed(by_kind: dict, kinds, seeds, lines: list[str]):
         yield a, b, by_kind[a], by_kind[b]
 
 
+LEARNED_SEEDS_FOR_A_VERDICT = 4
+"""A pair gets a verdict only where both architectures learned on at least this many of the 5 seeds."""
+
+
+def needle_verdicts(runs_a: list[dict], runs_b: list[dict], settings: Settings) -> dict | str:
+    """The decision rule (`decision_rule.beats`, A beats B) on the needle task, for two architectures' runs of the same
+    seeds: per measure (mean accuracy over N at 1x, at the largest length factor, on the first query at 1x) the
+    verdict and the paired difference; or, where one learned on fewer than `LEARNED_SEEDS_FOR_A_VERDICT` seeds, why
+    there is none."""
+    learned_a, learned_b = sum(learned(r, settings) for r in runs_a), sum(learned(r, settings) for r in runs_b)
+    if min(learned_a, learned_b) < LEARNED_SEEDS_FOR_A_VERDICT:
+        return f"learned {learned_a}/5 vs {learned_b}/5: not where both learn"
+    verdicts = {}
+    for name, factor, field in (("mean over N at 1x", 1, "accuracy"), (f"at {max(settings.length_factors)}x",
+                                max(settings.length_factors), "accuracy"), ("first query at 1x", 1, "first_query_accuracy")):
+        values_a = [float(np.mean(list(r[field][str(factor)].values()))) for r in runs_a]
+        values_b = [float(np.mean(list(r[field][str(factor)].values()))) for r in runs_b]
+        verdicts[name] = beats(values_a, values_b, settings)
+    return verdicts
+
+
 def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path, parameters: dict) -> str:
     hidden, context = settings.needle_configs[0]
     plateau = plateau_loss(settings)
@@ -258,18 +279,12 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     lines += ["", "## Verdicts (decision rule: paired bootstrap over seeds; only where both ran every seed and "
               "learned on at least 4 of 5)", ""]
     for a, b, ra, rb in pairs_run_on_every_seed(by_kind, kinds, settings.seeds, lines):
-        learned_a, learned_b = sum(learned(r, settings) for r in ra), sum(learned(r, settings) for r in rb)
-        if min(learned_a, learned_b) < 4:
-            lines.append(f"- {a} vs {b}: no verdict (learned {learned_a}/5 vs {learned_b}/5: not where both learn).")
+        verdicts = needle_verdicts(ra, rb, settings)
+        if isinstance(verdicts, str):
+            lines.append(f"- {a} vs {b}: no verdict ({verdicts}).")
             continue
-        parts = []
-        for name, factor, field in (("mean over N at 1x", 1, "accuracy"), ("at 4x", max(factors), "accuracy"),
-                                    ("first query at 1x", 1, "first_query_accuracy")):
-            va = [float(np.mean(list(r[field][str(factor)].values()))) for r in ra]
-            vb = [float(np.mean(list(r[field][str(factor)].values()))) for r in rb]
-            verdict, difference = beats(va, vb, settings)
-            parts.append(f"{name}: {verdict} {difference_text(difference)}")
-        lines.append(f"- {a} beats {b}? " + "; ".join(parts) + ".")
+        lines.append(f"- {a} beats {b}? " + "; ".join(
+            f"{name}: {verdict} {difference_text(difference)}" for name, (verdict, difference) in verdicts.items()) + ".")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
