@@ -112,7 +112,7 @@ def write_report(out: Path) -> str:
     lines = [
         "# Issue 38: the papers' claims judged where every architecture learns key matching", "",
         "Written by `python examples/research/report_v2.py` from the journals of `compare.py` (hidden 64: "
-        "[`h64/`](h64/summary.md), hidden 128: [`h128/`](h128/summary.md), language modelling: `lm_h64/`). Task, "
+        "[`h64/`](h64/), hidden 128: [`h128/`](h128/), language modelling: `lm_h64/`). Task, "
         "rules, learning rates and the plateau extension and retry: the summaries and `examples/research/README.md`. "
         "A verdict (the decision rule: 95% paired bootstrap over 5 seeds) is given only where both architectures ran "
         "every seed and learned key matching (left the 1/N plateau) on at least 4 of 5; *pending* cells wait for runs "
