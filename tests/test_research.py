@@ -518,6 +518,13 @@ def test_language_modelling_comparison_runs_to_its_summary(tmp_path, capsys):
     summary = (tmp_path / "summary.md").read_text()
     assert "| transformer |" in summary and "DINT-V2" in summary
     assert "- dint_v2 beats transformer (lower test perplexity)? " in summary
+    import report_v2  # the report's language-modelling section from this journal (2 of 5 seeds: pending verdicts)
+
+    (tmp_path / "results" / "lm_h64").mkdir(parents=True)
+    (tmp_path / "results" / "lm_h64" / "jobs.jsonl").write_text((tmp_path / "jobs.jsonl").read_text())
+    report = report_v2.write_report(tmp_path, results=tmp_path / "results").split("## Claim 6")[1]
+    assert f"| {report_v2.name('transformer')} | {chosen['transformer']} | 2 | " in report
+    assert f"| {report_v2.name('dint_v2')} vs {report_v2.name('transformer')} | pending (seeds run 2 and 2) |" in report
     capsys.readouterr()
     compare.main(arguments)  # resumes: every job is in the journal
     assert len((tmp_path / "jobs.jsonl").read_text().splitlines()) == len(records)

@@ -290,6 +290,12 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     return text
 
 
+def lm_verdict(runs_a: list[dict], runs_b: list[dict], settings: Settings) -> tuple[str, tuple]:
+    """The decision rule on test perplexity (A beats B: lower), for two architectures' runs of the same seeds."""
+    return beats([r["test_perplexity"] for r in runs_a], [r["test_perplexity"] for r in runs_b], settings,
+                 higher_is_better=False)
+
+
 def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path) -> str:
     """`summary.md` of `--task lm`: per architecture the runs, how many the stopping rule stopped before the cap, the
     test perplexity (mean over seeds, 95% bootstrap interval), and the decision rule on test perplexity (lower is
@@ -331,8 +337,7 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
     lines += ["", "## Verdicts (decision rule on test perplexity, lower is better: paired bootstrap over seeds; only "
               "where both ran every seed)", ""]
     for a, b, ra, rb in pairs_run_on_every_seed(by_kind, kinds, settings.lm_seeds, lines):
-        verdict, difference = beats([r["test_perplexity"] for r in ra], [r["test_perplexity"] for r in rb], settings,
-                                    higher_is_better=False)
+        verdict, difference = lm_verdict(ra, rb, settings)
         lines.append(f"- {a} beats {b} (lower test perplexity)? {verdict} {difference_text(difference, 2)}.")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from compare import (
-    PAIRS, RESULTS, chosen_learning_rates, learned, needle_verdicts, read_journal, seed_records,
+    PAIRS, RESULTS, chosen_learning_rates, learned, lm_verdict, needle_verdicts, read_journal, seed_records,
 )
-from decision_rule import beats, ci_text, difference_text
+from decision_rule import ci_text, difference_text
 from settings import COMPARISON, DESCRIPTIONS, comparison_settings, lm_hidden
 from tasks import plateau_loss
 
@@ -44,10 +44,10 @@ def name(kind: str) -> str:
     return DESCRIPTIONS.get(kind, kind)
 
 
-def needle_cells(hidden: int) -> tuple[dict, dict, object]:
+def needle_cells(hidden: int, results: Path) -> tuple[dict, dict, object]:
     """Per kind, the run standing for each seed (`compare.seed_records`), and per pair the verdict cell text."""
     settings = comparison_settings(hidden)
-    records = read_journal(RESULTS / f"h{hidden}" / "jobs.jsonl")
+    records = read_journal(results / f"h{hidden}" / "jobs.jsonl")
     by_kind = {kind: seed_records(records, settings, kind) for kind in COMPARISON}
     cells = {}
     for a, b in PAIRS:
@@ -74,10 +74,10 @@ def budget_curve(run: dict, settings) -> str:
     return " / ".join(best)
 
 
-def lm_section(lines: list[str]) -> None:
+def lm_section(lines: list[str], results: Path) -> None:
     settings = comparison_settings(64)
     hidden = lm_hidden(settings)
-    records = read_journal(RESULTS / f"lm_h{hidden}" / "jobs.jsonl")
+    records = read_journal(results / f"lm_h{hidden}" / "jobs.jsonl")
     lines += [f"## Claim 6: DINT models language better (lower test perplexity), hidden {hidden}", ""]
     sweep = [r for r in records.values() if r["phase"] == "sweep" and r.get("task") == "lm"]
     runs = {kind: sorted((r for r in records.values() if r["phase"] == "main" and r.get("task") == "lm"
@@ -101,14 +101,14 @@ def lm_section(lines: list[str]) -> None:
             if not [r["seed"] for r in ra] == [r["seed"] for r in rb] == list(settings.lm_seeds):
                 lines.append(f"| {name(a)} vs {name(b)} | pending (seeds run {len(ra)} and {len(rb)}) |")
                 continue
-            verdict, difference = beats([r["test_perplexity"] for r in ra], [r["test_perplexity"] for r in rb],
-                                        settings, higher_is_better=False)
+            verdict, difference = lm_verdict(ra, rb, settings)
             lines.append(f"| {name(a)} vs {name(b)} | **{verdict}** {difference_text(difference, 2)} |")
     lines.append("")
 
 
-def write_report(out: Path) -> str:
-    states = {hidden: needle_cells(hidden) for hidden in HIDDEN_SIZES}
+def write_report(out: Path, results: Path = RESULTS) -> str:
+    """`out`/report.md from the journals under `results` (default: results/v2)."""
+    states = {hidden: needle_cells(hidden, results) for hidden in HIDDEN_SIZES}
     lines = [
         "# Issue 38: the papers' claims judged where every architecture learns key matching", "",
         "Written by `python examples/research/report_v2.py` from the journals of `compare.py` (hidden 64: "
@@ -142,7 +142,7 @@ def write_report(out: Path) -> str:
               "run and its plateau retry at half the rate; learned means below the threshold.", ""]
     for hidden in HIDDEN_SIZES:
         by_kind, _, settings = states[hidden]
-        records = read_journal(RESULTS / f"h{hidden}" / "jobs.jsonl")
+        records = read_journal(results / f"h{hidden}" / "jobs.jsonl")
         threshold = settings.plateau_fraction * plateau_loss(settings)
         for kind in COMPARISON:
             runs = by_kind[kind]
@@ -160,7 +160,7 @@ def write_report(out: Path) -> str:
         for a, b in pairs:
             lines.append(f"| {name(a)} vs {name(b)} | " + " | ".join(states[h][1][a, b] for h in HIDDEN_SIZES) + " |")
     lines += [""]
-    lm_section(lines)
+    lm_section(lines, results)
     lines += [
         "## Why the head norm stops small models", "",
         "Measured, not guessed: [`headnorm/summary.md`](headnorm/summary.md) and `examples/research/README.md`. The "
