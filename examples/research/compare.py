@@ -433,8 +433,9 @@ def main(argv=None) -> None:
                 pending = [job for job in retry_jobs(done, settings, args.kinds) if job_id(job) not in done]
             if not pending:
                 break
-            room = settings.workers if args.max_jobs is None else min(settings.workers, args.max_jobs - started)
-            batch = pending[:room]  # each record appended to the journal as it finishes
+            # The whole queue to the pool (a worker takes the next job as soon as its own ends; a batch of `workers`
+            # would leave a core idle beside a run on the plateau), then the journal is read again for the retries
+            batch = pending if args.max_jobs is None else pending[: args.max_jobs - started]
             run_jobs(batch, settings, journal, done, log)
             started += len(batch)
     parameters = parameter_counts(settings, args.kinds)
