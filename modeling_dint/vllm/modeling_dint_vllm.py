@@ -173,8 +173,8 @@ class VllmStepRows:
         `kernel_slots()`: for the CPU kernel, per row the block it reads before it and the block it stores after it
             (`[1, T]` int64, -1 for none), built on the first call of the step.
         kernel_rows (`tuple` or None): None here; a `PreparedStepRows` (on CPU, with the package's kernel, a step
-            without waves) has the CPU kernel's per-row arguments `[T]` (`DintIntegral.packed_requests_kernel`: inverse count, row flags,
-            carry slot, store slot), so that each layer's op is one kernel call.
+            without waves) has the CPU kernel's per-row arguments `[T]` (`DintIntegral.packed_requests_kernel`:
+            inverse count, row flags, carry slot, store slot), so that each layer's op is one kernel call.
     """
 
     def __init__(
@@ -374,8 +374,7 @@ def integral_output(
         output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, None, layer.head_norm)[0]
         return
     num_tokens = attn_metadata.num_actual_tokens
-    padded = num_tokens < output.shape[0]
-    if padded:
+    if num_tokens < output.shape[0]:  # rows vLLM pads the batch with
         output[num_tokens:] = 0.0
         positions, signal_output, noise_output = positions[:num_tokens], signal_output[:num_tokens], noise_output[:num_tokens]
         lambda_, output = (lambda_[:num_tokens] if lambda_.dim() > 0 else lambda_), output[:num_tokens]
