@@ -191,14 +191,19 @@ def measure_rates(settings: Settings, kinds, steps: int) -> dict:
     return rates
 
 
+def run_on_every_seed(runs_a: list[dict], runs_b: list[dict], seeds) -> bool:
+    """Whether two architectures' runs (by seed) both cover `seeds`: what the decision rule needs to pair them."""
+    return [r["seed"] for r in runs_a] == [r["seed"] for r in runs_b] == list(seeds)
+
+
 def pairs_run_on_every_seed(by_kind: dict, kinds, seeds, lines: list[str]):
     """The pairs of `PAIRS` among `kinds` whose runs (`by_kind`, by seed) cover `seeds` on both sides, as
     (a, b, a's runs, b's runs); for each other pair, a "no verdict" line appended to `lines`."""
     for a, b in PAIRS:
         if a not in kinds or b not in kinds:
             continue
-        seeds_a, seeds_b = [r["seed"] for r in by_kind[a]], [r["seed"] for r in by_kind[b]]
-        if not seeds_a == seeds_b == list(seeds):
+        if not run_on_every_seed(by_kind[a], by_kind[b], seeds):
+            seeds_a, seeds_b = [r["seed"] for r in by_kind[a]], [r["seed"] for r in by_kind[b]]
             lines.append(f"- {a} vs {b}: no verdict (seeds run: {seeds_a} vs {seeds_b}; the rule needs {list(seeds)}).")
             continue
         yield a, b, by_kind[a], by_kind[b]
@@ -290,6 +295,12 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     return text
 
 
+def lm_seed_records(records: dict, hidden: int, kind: str) -> list[dict]:
+    """The registered language-modelling runs of `kind` at `hidden`, by seed."""
+    return sorted((r for r in records.values() if r["phase"] == "main" and r.get("task") == "lm" and r["kind"] == kind
+                   and r["hidden"] == hidden), key=lambda r: r["seed"])
+
+
 def lm_verdict(runs_a: list[dict], runs_b: list[dict], settings: Settings) -> tuple[str, tuple]:
     """The decision rule on test perplexity (A beats B: lower), for two architectures' runs of the same seeds."""
     return beats([r["test_perplexity"] for r in runs_a], [r["test_perplexity"] for r in runs_b], settings,
@@ -301,11 +312,7 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
     test perplexity (mean over seeds, 95% bootstrap interval), and the decision rule on test perplexity (lower is
     better) for each pair of `PAIRS` where both ran every seed."""
     hidden = lm_hidden(settings)
-    by_kind = {
-        kind: sorted((r for r in records.values() if r["phase"] == "main" and r["task"] == "lm" and r["kind"] == kind
-                      and r["hidden"] == hidden), key=lambda r: r["seed"])
-        for kind in kinds
-    }
+    by_kind = {kind: lm_seed_records(records, hidden, kind) for kind in kinds}
     ci = lambda values: ci_text(values, settings, 2) if len(values) > 1 else (f"{values[0]:.2f}" if values else "-")  # noqa: E731
     lines = [
         f"# Issue 38's language modelling to the stopping rule, hidden {hidden}, context {settings.lm_context}", "",

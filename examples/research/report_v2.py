@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from compare import (
-    PAIRS, RESULTS, chosen_learning_rates, learned, lm_verdict, needle_verdicts, read_journal, seed_records,
+    PAIRS, RESULTS, chosen_learning_rates, learned, lm_seed_records, lm_verdict, needle_verdicts, read_journal,
+    run_on_every_seed, seed_records,
 )
 from decision_rule import ci_text, difference_text
 from settings import COMPARISON, DESCRIPTIONS, comparison_settings, lm_hidden
@@ -51,9 +52,8 @@ def needle_cells(hidden: int, results: Path) -> tuple[dict, dict, object]:
     by_kind = {kind: seed_records(records, settings, kind) for kind in COMPARISON}
     cells = {}
     for a, b in PAIRS:
-        seeds_a, seeds_b = [r["seed"] for r in by_kind[a]], [r["seed"] for r in by_kind[b]]
-        if not seeds_a == seeds_b == list(settings.seeds):
-            cells[a, b] = f"pending (seeds run {len(seeds_a)} and {len(seeds_b)} of {len(settings.seeds)})"
+        if not run_on_every_seed(by_kind[a], by_kind[b], settings.seeds):
+            cells[a, b] = f"pending (seeds run {len(by_kind[a])} and {len(by_kind[b])} of {len(settings.seeds)})"
             continue
         retries_due = any(not learned(r, settings) and not r["retried"] for r in by_kind[a] + by_kind[b])
         verdicts = needle_verdicts(by_kind[a], by_kind[b], settings)
@@ -80,8 +80,7 @@ def lm_section(lines: list[str], results: Path) -> None:
     records = read_journal(results / f"lm_h{hidden}" / "jobs.jsonl")
     lines += [f"## Claim 6: DINT models language better (lower test perplexity), hidden {hidden}", ""]
     sweep = [r for r in records.values() if r["phase"] == "sweep" and r.get("task") == "lm"]
-    runs = {kind: sorted((r for r in records.values() if r["phase"] == "main" and r.get("task") == "lm"
-                          and r["kind"] == kind), key=lambda r: r["seed"]) for kind in COMPARISON}
+    runs = {kind: lm_seed_records(records, hidden, kind) for kind in COMPARISON}
     if not any(runs.values()):
         lines += [f"Pending: not run yet (`python examples/research/compare.py --task lm --hidden {hidden}`; its rules "
                   f"are fixed in `comparison_settings`; {len(sweep)} sweep runs in the journal).", ""]
@@ -98,7 +97,7 @@ def lm_section(lines: list[str], results: Path) -> None:
     for _, _, pairs in CLAIMS:
         for a, b in pairs:
             ra, rb = runs[a], runs[b]
-            if not [r["seed"] for r in ra] == [r["seed"] for r in rb] == list(settings.lm_seeds):
+            if not run_on_every_seed(ra, rb, settings.lm_seeds):
                 lines.append(f"| {name(a)} vs {name(b)} | pending (seeds run {len(ra)} and {len(rb)}) |")
                 continue
             verdict, difference = lm_verdict(ra, rb, settings)
