@@ -1,13 +1,15 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""One request decoding on vLLM, DINT against Llama of the same size, the engines in one process and their rounds
+"""Requests decoding on vLLM (one, or `--requests`), DINT against Llama of the same size, the engines in one process and their rounds
 interleaved (this machine's speed drifts by more than the difference between two processes run one after the other).
 
     python bench/vllm_interleaved.py                  # tiny, 64 prompt tokens, 128 new tokens, 8 rounds
     python bench/vllm_interleaved.py --size smollm2 --new-tokens 32 --rounds 4
+    python bench/vllm_interleaved.py --requests 16 --new-tokens 32     # 16 requests decoding together
 
 Three engines of `vllm_load.py`'s models (random weights, same seed; vLLM's default engine settings, compiled, fp32,
 in-process): DINT, DINT with `integral="none"` (the same layout without the integral: what the integral op costs), and
-Llama. Each round generates once on each, in alternating order. Printed: ms per generated token per engine (median),
+Llama. Each round generates once on each, in alternating order (`--requests` different prompts at once, so that a
+decoding step carries that many rows). Printed: ms per generated token (of all requests) per engine (median),
 the paired medians of Llama / DINT and Llama / DINT-none tokens/s, and the wall time inside DINT's integral op
 (`integral_output`) per generated token. Written to `--output` (JSON and a markdown table next to it).
 """
@@ -15,7 +17,6 @@ the paired medians of Llama / DINT and Llama / DINT-none tokens/s, and the wall 
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +29,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = ("dint", "dint_integral_none", "llama")
 
 
-def child(paths: dict, prompt_tokens: int, new_tokens: int, rounds: int) -> dict:
+def child(paths: dict, prompt_tokens: int, new_tokens: int, rounds: int, requests: int) -> dict:
     """Runs in the vLLM virtualenv: the three engines, interleaved rounds, the integral op's wall time."""
     import torch
     from vllm import LLM, SamplingParams
@@ -45,20 +46,21 @@ def child(paths: dict, prompt_tokens: int, new_tokens: int, rounds: int) -> dict
 
     modeling_dint_vllm.integral_output = timed_integral_output
     engines = {name: LLM(model=paths[name], dtype="float32", max_model_len=2048, seed=0) for name in ENGINES}
-    prompt = {"prompt_token_ids": list(range(10, 10 + prompt_tokens))}
+    prompts = [{"prompt_token_ids": list(range(10 + index, 10 + index + prompt_tokens))} for index in range(requests)]
+    generated_tokens = requests * new_tokens
     sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for engine in engines.values():  # warm-up: compilation, the kernel's load
-        engine.generate([prompt], sampling, use_tqdm=False)
+        engine.generate(prompts, sampling, use_tqdm=False)
     per_token = {name: [] for name in ENGINES}
     op_per_token = []
     for index in range(rounds):
         for name in ENGINES if index % 2 == 0 else ENGINES[::-1]:
             op_seconds[0] = 0.0
             started = time.perf_counter()
-            engines[name].generate([prompt], sampling, use_tqdm=False)
-            per_token[name].append((time.perf_counter() - started) * 1000 / new_tokens)
+            engines[name].generate(prompts, sampling, use_tqdm=False)
+            per_token[name].append((time.perf_counter() - started) * 1000 / generated_tokens)
             if name == "dint":
-                op_per_token.append(op_seconds[0] * 1000 / new_tokens)
+                op_per_token.append(op_seconds[0] * 1000 / generated_tokens)
     return {
         "ms_per_token": {name: statistics.median(values) for name, values in per_token.items()},
         "rounds_ms_per_token": per_token,
@@ -79,36 +81,32 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=1, help="different prompts generated together")
     parser.add_argument("--vllm-python", default=None, help="default: the virtualenv of .ci/vllm_env.py")
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_interleaved", "results.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child), args.prompt_tokens, args.new_tokens, args.rounds)))
+        print(json.dumps(child(json.loads(args.child), args.prompt_tokens, args.new_tokens, args.rounds, args.requests)))
         return
 
     from bench_common import load_average, machine_info, write_result
-    from vllm_load import SIZES, save_models, vllm_python
+    from vllm_load import SIZES, save_integral_none, save_models, vllm_python
 
     python = vllm_python(args.vllm_python)
     result = {"command": "python bench/vllm_interleaved.py " + " ".join(sys.argv[1:]), "machine": machine_info("cpu"),
-              "size": args.size, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "size": args.size, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+              "new_tokens": args.new_tokens,
               "load_average_before": load_average()}
     with tempfile.TemporaryDirectory() as directory:
         paths = save_models(SIZES[args.size], directory)
-        paths["dint_integral_none"] = os.path.join(directory, "dint_integral_none")
-        shutil.copytree(paths["dint"], paths["dint_integral_none"])
-        config_path = os.path.join(paths["dint_integral_none"], "config.json")
-        with open(config_path) as file:
-            config = json.load(file)
-        with open(config_path, "w") as file:
-            json.dump({**config, "integral": "none"}, file)
+        paths["dint_integral_none"] = save_integral_none(paths["dint"], directory)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    TOKENIZERS_PARALLELISM="false")
         completed = subprocess.run(
             [python, os.path.abspath(__file__), "--child", json.dumps({name: paths[name] for name in ENGINES}),
              "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-             "--rounds", str(args.rounds)],
+             "--rounds", str(args.rounds), "--requests", str(args.requests)],
             env=env, capture_output=True, text=True, check=False,
         )
         if completed.returncode != 0:
@@ -122,9 +120,10 @@ def render(result: dict) -> str:
     machine = result["machine"]
     rounds = result["rounds_ms_per_token"]
     lines = [
-        "# One request decoding on vLLM (CPU), engines interleaved in one process", "",
+        "# Requests decoding on vLLM (CPU), engines interleaved in one process", "",
         f"`{result['command']}`: {machine['date_utc']}, commit {machine.get('git_commit', '?')}, {machine['processor']}, "
-        f"vLLM's virtualenv torch {result['torch']}; {result['size']}, {result['prompt_tokens']} prompt tokens, "
+        f"vLLM's virtualenv torch {result['torch']}; {result['size']}, {result.get('requests', 1)} request(s) of "
+        f"{result['prompt_tokens']} prompt tokens, "
         f"{result['new_tokens']} new tokens, fp32, vLLM's default engine (compiled). Load average "
         f"{result['load_average_before']} before, {result['load_average_after']} after.", "",
         "| engine | ms per generated token (median) | rounds |", "| --- | ---: | --- |",

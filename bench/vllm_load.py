@@ -7,7 +7,8 @@ SmolLM2's 9/3 heads gives them, the same for Llama), the models (bench_common.bu
 shared tensors copied) are saved with the repository's tokenizer and served by three servers at once:
 
 - `vllm-dint`, `vllm-llama`, `vllm-dint-v2` (DINT on DIFF V2's layout: an ordinary attention layer with the same
-  query and KV heads as the Llama): vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the CPU build in
+  query and KV heads as the Llama), `vllm-dint-none` (the DINT model with `integral="none"`: the same layout and
+  weights without the integral, so that DINT / DINT-none is what the integral op costs served): vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the CPU build in
   the virtualenv `.ci/vllm_env.py` makes; default engine settings: compiled, chunked prefill, prefix caching);
 - `dint-serve`: `dint-serve --continuous-batching` (transformers' server, this python).
 
@@ -30,6 +31,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,7 +58,7 @@ SIZES = {
 }
 """vocab_size None: the tokenizer's. head_dim 32 and 64: vLLM's CPU attention takes 32, 64, 80, ...; DINT's cache
 heads are 2*head_dim wide (64 and 128)."""
-SYSTEMS = ("vllm-dint", "vllm-llama", "dint-serve", "vllm-dint-v2")
+SYSTEMS = ("vllm-dint", "vllm-llama", "dint-serve", "vllm-dint-v2", "vllm-dint-none")
 KV_CACHE_SPACE_GIB = 2
 MAX_MODEL_LEN = 2048
 SERVER_STARTUP_SECONDS = 900
@@ -107,6 +109,19 @@ def save_models(size: dict, directory: str, with_v2: bool = False) -> dict[str, 
         tokenizer.save_pretrained(paths[name])
         del model
     return paths
+
+
+def save_integral_none(dint_path: str, directory: str) -> str:
+    """A copy of the DINT model at `dint_path` with `integral="none"` (O1 - lambda * O2: the same layout and weights
+    without the integral), saved under `directory`; returns its path."""
+    path = os.path.join(directory, "dint_integral_none")
+    shutil.copytree(dint_path, path)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as file:
+        config = json.load(file)
+    with open(config_path, "w") as file:
+        json.dump({**config, "integral": "none"}, file)
+    return path
 
 
 def free_port() -> int:
@@ -164,8 +179,10 @@ def kv_cache_tokens(log_path: str) -> int | None:
 
 def measure_size(args, size_name: str, python: str, prompts: list, directory: str) -> dict:
     paths = save_models(SIZES[size_name], directory, with_v2="vllm-dint-v2" in args.systems)
+    if "vllm-dint-none" in args.systems:
+        paths["dint_integral_none"] = save_integral_none(paths["dint"], directory)
     served = {"vllm-dint": paths["dint"], "vllm-llama": paths["llama"], "dint-serve": paths["dint"],
-              "vllm-dint-v2": paths.get("dint_v2")}
+              "vllm-dint-v2": paths.get("dint_v2"), "vllm-dint-none": paths.get("dint_integral_none")}
     systems = [system for system in SYSTEMS if system in args.systems]
     servers, kv_tokens = {}, {}
     try:
@@ -233,7 +250,7 @@ def render_markdown(result: dict) -> str:
         f"(compiled, chunked prefill, prefix caching), `VLLM_CPU_KVCACHE_SPACE={KV_CACHE_SPACE_GIB}`, max model length "
         f"{MAX_MODEL_LEN}. dint-serve (transformers "
         f"{result['dint_serve_transformers']}): `--continuous-batching --cb-num-blocks {args['cb_num_blocks']} "
-        f"--cb-max-batch-tokens {args['cb_max_batch_tokens']}`. All three servers run during the whole size.",
+        f"--cb-max-batch-tokens {args['cb_max_batch_tokens']}`. All the servers run during the whole size.",
     ]
     for size in result["sizes"]:
         config = size["config"]
@@ -262,6 +279,8 @@ def render_markdown(result: dict) -> str:
                 parts.append(f"vLLM DINT / vLLM Llama {paired_ratio(runs['vllm-dint'], runs['vllm-llama']):.2f}")
             if "vllm-dint-v2" in runs and "vllm-llama" in runs:
                 parts.append(f"vLLM DINT-V2 / vLLM Llama {paired_ratio(runs['vllm-dint-v2'], runs['vllm-llama']):.2f}")
+            if "vllm-dint" in runs and "vllm-dint-none" in runs:
+                parts.append(f"vLLM DINT / vLLM DINT-none {paired_ratio(runs['vllm-dint'], runs['vllm-dint-none']):.2f}")
             if "vllm-dint" in runs and "dint-serve" in runs:
                 parts.append(f"vLLM DINT / dint-serve {paired_ratio(runs['vllm-dint'], runs['dint-serve']):.2f}")
             ratios.append(f"{level['concurrency']} clients: " + ", ".join(parts))
