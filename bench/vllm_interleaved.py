@@ -1,6 +1,7 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""Requests decoding on vLLM (one, or `--requests`), DINT against Llama of the same size, the engines in one process and their rounds
-interleaved (this machine's speed drifts by more than the difference between two processes run one after the other).
+"""Requests decoding on vLLM (one, or `--requests`), DINT against Llama of the same size, the engines in one process
+and their rounds interleaved (this machine's speed drifts by more than the difference between two processes run one
+after the other).
 
     python bench/vllm_interleaved.py                  # tiny, 64 prompt tokens, 128 new tokens, 8 rounds
     python bench/vllm_interleaved.py --size smollm2 --new-tokens 32 --rounds 4
@@ -10,7 +11,7 @@ Three engines of `vllm_load.py`'s models (random weights, same seed; vLLM's defa
 in-process): DINT, DINT with `integral="none"` (the same layout without the integral: what the integral op costs), and
 Llama. Each round generates once on each, in alternating order (`--requests` different prompts at once, so that a
 decoding step carries that many rows). Printed: ms per generated token (of all requests) per engine (median),
-the paired medians of Llama / DINT and Llama / DINT-none tokens/s, and the wall time inside DINT's integral op
+the paired medians of DINT / Llama and DINT-none / Llama tokens/s, and the wall time inside DINT's integral op
 (`integral_output`) per generated token. Written to `--output` (JSON and a markdown table next to it).
 """
 
@@ -86,6 +87,8 @@ def main():
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_interleaved", "results.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.requests < 1:
+        parser.error(f"--requests: at least 1, got {args.requests}")
     if args.child:
         print(json.dumps(child(json.loads(args.child), args.prompt_tokens, args.new_tokens, args.rounds, args.requests)))
         return

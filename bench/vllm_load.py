@@ -4,12 +4,14 @@
 For each size (`tiny`: hidden 256, 4 layers, 8 softmax maps of 32 channels; `smollm2`: SmolLM2-135M's shape, hidden
 576, 30 layers, MLP 1536, vocabulary 49152, head_dim 64, with 18 softmax maps over 6 KV heads as DINT's conversion of
 SmolLM2's 9/3 heads gives them, the same for Llama), the models (bench_common.build_model: random weights, same seed,
-shared tensors copied) are saved with the repository's tokenizer and served by three servers at once:
+shared tensors copied) are saved with the repository's tokenizer and served by the `--systems` servers, all up at
+once:
 
 - `vllm-dint`, `vllm-llama`, `vllm-dint-v2` (DINT on DIFF V2's layout: an ordinary attention layer with the same
   query and KV heads as the Llama), `vllm-dint-none` (the DINT model with `integral="none"`: the same layout and
-  weights without the integral, so that DINT / DINT-none is what the integral op costs served): vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the CPU build in
-  the virtualenv `.ci/vllm_env.py` makes; default engine settings: compiled, chunked prefill, prefix caching);
+  weights without the integral, so that DINT / DINT-none is what the integral op costs served): vLLM's OpenAI server
+  (`python -m vllm.entrypoints.openai.api_server`, the CPU build in the virtualenv `.ci/vllm_env.py` makes; default
+  engine settings: compiled, chunked prefill, prefix caching);
 - `dint-serve`: `dint-serve --continuous-batching` (transformers' server, this python).
 
 A level runs C clients (the async `openai` client, `serve_load.run_level`), each sending `--requests-per-client` chat
@@ -210,7 +212,7 @@ def measure_size(args, size_name: str, python: str, prompts: list, directory: st
                         {"wall_s": wall, "requests": len(latencies), "latencies_s": latencies,
                          "generated_tokens": generated, "peak_rss_mb": peak_resident_mb(process.pid)}
                     )
-                    print(f"[{size_name}] {concurrency:3d} clients  {system:10s} {sum(generated) / wall:8.1f} tokens/s",
+                    print(f"[{size_name}] {concurrency:3d} clients  {system:14s} {sum(generated) / wall:8.1f} tokens/s",
                           flush=True)
         load_after = load_average()
     finally:
