@@ -102,7 +102,7 @@ def test_plan_names_existing_linear_modules():
         assert pattern.replace("*", "0") in module_names, pattern
     model = tiny_model(num_attention_heads=NUM_HEADS, num_key_value_heads=2, differential_attention="v2")
     module_names = {name for name, _ in model.model.named_modules()}
-    assert model.config.base_model_tp_plan is DINT_V2_TP_PLAN
+    assert model.config.base_model_tp_plan == DINT_V2_TP_PLAN
     for pattern in DINT_V2_TP_PLAN:
         assert pattern.replace("*", "0") in module_names, pattern
 

@@ -7,6 +7,7 @@ The bridges for older releases are also run here against the newest release's ow
 """
 
 import inspect
+import json
 import os
 import re
 import warnings
@@ -14,10 +15,11 @@ import warnings
 import pytest
 import torch
 import transformers
-from dint_testing import cache_of, left_padded_batch, tiny_model, with_cache
+from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
 from transformers import StaticCache, cache_utils
 
-from modeling_dint import DintDynamicLayer, DintStaticLayer, release_bridges
+from modeling_dint import DintDynamicLayer, DintForCausalLM, DintStaticLayer, release_bridges
+from modeling_dint.configuration_dint import V1_TP_PLAN, V2_TP_PLAN
 from modeling_dint import transformers_compat as compat
 
 
@@ -47,6 +49,34 @@ def test_install_requires_states_the_floor():
     with open(os.path.join(REPO_ROOT, "setup.py"), encoding="utf-8") as file:
         requirement = re.search(r'"transformers>=([\d.]+),<6"', file.read())
     assert requirement is not None and requirement.group(1) == compat.MINIMUM_TRANSFORMERS_VERSION
+
+
+@pytest.mark.parametrize("differential_attention", ["v1", "v2"])
+def test_tied_embeddings_build_save_and_reload_with_the_layouts_tp_plan(tmp_path, differential_attention):
+    # transformers 5.15 to 5.20 assign `base_model_tp_plan` in `PreTrainedConfig.__post_init__` when the embeddings
+    # are tied (SmolLM2's and most small models' setting); a plan without a setter failed every such config there
+    config = tiny_config(tie_word_embeddings=True, differential_attention=differential_attention)
+    layout_plan = V1_TP_PLAN if differential_attention == "v1" else V2_TP_PLAN
+    assert config.base_model_tp_plan.items() >= layout_plan.items()
+    model = DintForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json", encoding="utf-8") as file:
+        assert "base_model_tp_plan" not in json.load(file)
+    reloaded = DintForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.base_model_tp_plan == config.base_model_tp_plan
+    input_ids = torch.randint(2, 128, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids).logits, model(input_ids).logits)
+
+
+def test_an_assigned_tp_plan_overrides_only_the_entries_it_changes():
+    config = tiny_config()
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    assert config.base_model_tp_plan == {**V1_TP_PLAN, "embed_tokens": "embedding_rowwise"}
+    config.differential_attention = "v2"  # the layout's own entries follow the layout
+    assert config.base_model_tp_plan == {**V2_TP_PLAN, "embed_tokens": "embedding_rowwise"}
+    assert "base_model_tp_plan" not in config.to_dict()
 
 
 @pytest.mark.parametrize("padded", [False, True])
