@@ -10,12 +10,18 @@ one training process at a time (or two: `--only main` and `--only retry` share t
     python examples/research/compare.py --hidden 128 --sweep        # hidden 128: the learning-rate sweep first
     python examples/research/compare.py --hidden 64 --only retry    # only the retries of runs left on the plateau
     python examples/research/compare.py --task lm --hidden 64       # language modelling to the stopping rule
+    python examples/research/compare.py --hidden 128 --device cuda --no-compile --workers 12   # on a lent GPU
+    python examples/research/compare.py --hidden 128 --kinds diff_v2 --seeds 1 2 --long 2e-3 12000 --workers 2
 
 Records go to `results/v2/h{hidden}/jobs.jsonl` (one line per finished run, appended as it finishes, so a killed run
 resumes where it stopped); `summary.md` there says which (architecture, seed) ran and whether each learned, the
 Table 4 accuracies at 1x/2x/4x with 95% bootstrap intervals, the first-query control, and a verdict (the decision
 rule, `decision_rule.beats`) only for pairs where both architectures ran every seed and learned on at least 4 of 5.
 It never writes results/report.md (the committed report of issue 30).
+
+`--device cuda` runs the same registered jobs (the same rules, seeds and learning rates: where the out folder has no
+`learning_rates.json`, the CPU sweep's of `results/v2/h{hidden}/`) on a GPU, into `results/v2/h{hidden}_cuda/`: a
+replicate of the comparison on another device, never mixed into the CPU journal; each record names its device.
 
 `--task lm` (issue 38 item 4): the same architectures on the committed report's language modelling (Shakespeare, the
 package's tokenizer), each run to the stopping rule (`comparison_settings`: from 1000 steps, a cap of 20,000 it is
@@ -230,6 +236,15 @@ def needle_verdicts(runs_a: list[dict], runs_b: list[dict], settings: Settings) 
     return verdicts
 
 
+def device_flag(settings: Settings) -> str:
+    return "" if settings.device == "cpu" else f" --device {settings.device}"
+
+
+def devices_text(records: dict) -> str:
+    """The devices a journal's runs ran on (a record written before `--device` names none: the CPU)."""
+    return ", ".join(sorted({record.get("device", "cpu") for record in records.values()})) or "no run yet"
+
+
 def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict, out: Path, parameters: dict) -> str:
     hidden, context = settings.needle_configs[0]
     plateau = plateau_loss(settings)
@@ -240,8 +255,9 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     lines = [
         f"# Issue 38's registered comparison, hidden {hidden}, trained at {context} tokens (partial until every cell "
         "has 5 seeds)", "",
-        f"Written by `python examples/research/compare.py --hidden {hidden} --summary-only` from `jobs.jsonl` "
-        f"(one record per finished run). Environment: {environment()}.", "",
+        f"Written by `python examples/research/compare.py --hidden {hidden}{device_flag(settings)} --summary-only` from "
+        "`jobs.jsonl` "
+        f"(one record per finished run). Environment: {environment()}. The runs ran on: {devices_text(records)}.", "",
         "Rules (fixed in code before the first run): the committed report's task, stopping rule and plateau clause "
         f"(`Settings`), plus issue 38's plateau extension: a run still on the plateau (best validation loss above "
         f"{settings.plateau_fraction} x {plateau:.3f}) at the {settings.max_steps}-step cap goes on to "
@@ -316,8 +332,9 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
     ci = lambda values: ci_text(values, settings, 2) if len(values) > 1 else (f"{values[0]:.2f}" if values else "-")  # noqa: E731
     lines = [
         f"# Issue 38's language modelling to the stopping rule, hidden {hidden}, context {settings.lm_context}", "",
-        f"Written by `python examples/research/compare.py --task lm --hidden {hidden} --summary-only` from "
-        f"`jobs.jsonl`. Environment: {environment()}.", "",
+        f"Written by `python examples/research/compare.py --task lm --hidden {hidden}{device_flag(settings)} "
+        "--summary-only` from "
+        f"`jobs.jsonl`. Environment: {environment()}. The runs ran on: {devices_text(records)}.", "",
         f"Rules (fixed in code before the first run): the committed report's corpus, model sizes and stopping rule; "
         f"from {settings.lm_min_steps} steps, a cap of {settings.lm_max_steps} (the committed runs stopped at 300), "
         f"validation every {settings.lm_eval_every} steps, batch {settings.lm_batch} x {settings.lm_context} tokens; "
@@ -376,9 +393,14 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep the learning rate per kind first (hidden 128)")
     parser.add_argument("--summary-only", action="store_true")
     parser.add_argument("--rate", type=int, metavar="STEPS", help="measure steps/s per kind (one thread) and stop")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the runs train (cuda: a replicate in results/v2/h{hidden}_cuda by default)")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="every step count at most 2 and the data small: checks "
                         "the pipeline end to end (use with --out)")
+    parser.add_argument("--long", nargs=2, metavar=("LR", "STEPS"),
+                        help="a diagnostic, not part of any verdict: each of --kinds on each of --seeds at LR for "
+                        "exactly STEPS steps (no early stopping), into long/jobs.jsonl of the out folder")
     parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
     parser.add_argument("--workers", type=int, help="jobs at once, one torch thread each (default 1: the registered "
                         "comparison leaves a core to other work; a run's result does not depend on it)")
@@ -390,13 +412,19 @@ def main(argv=None) -> None:
     settings = comparison_settings(args.hidden)
     if args.seeds:
         settings.seeds = settings.lm_seeds = tuple(args.seeds)
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.summary_only:
+        parser.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    settings.device = args.device
     if args.no_compile:
         settings.compile = False
+    if args.long:
+        settings.long_steps = int(args.long[1])
     if args.dry_run:
         shrink_for_dry_run(settings)
     if args.workers:
         settings.workers = args.workers
-    out = args.out or RESULTS / (f"lm_h{args.hidden}" if args.task == "lm" else f"h{args.hidden}")
+    out = args.out or RESULTS / ((f"lm_h{args.hidden}" if args.task == "lm" else f"h{args.hidden}")
+                                 + ("_cuda" if args.device == "cuda" else ""))
     out.mkdir(parents=True, exist_ok=True)
     if args.rate:
         rates = measure_rates(settings, args.kinds, args.rate)
@@ -413,10 +441,19 @@ def main(argv=None) -> None:
     if args.task == "lm":
         main_lm(args, settings, out, log)
         return
+    if args.long:
+        hidden, context = settings.needle_configs[0]
+        long_journal = out / "long" / "jobs.jsonl"
+        long_journal.parent.mkdir(exist_ok=True)
+        jobs = [dict(phase="long", task="needle", kind=kind, hidden=hidden, context=context, lr=float(args.long[0]),
+                     seed=seed) for kind in args.kinds for seed in settings.seeds]
+        run_jobs(jobs, settings, long_journal, read_journal(long_journal), log)
+        return
 
     learning_rates = REGISTERED_LEARNING_RATES.get(args.hidden)
-    if learning_rates is None and (out / "learning_rates.json").exists():  # chosen by an earlier --sweep
-        learning_rates = json.loads((out / "learning_rates.json").read_text())
+    for chosen in (out / "learning_rates.json", RESULTS / f"h{args.hidden}" / "learning_rates.json"):
+        if learning_rates is None and not args.sweep and chosen.exists():  # chosen by an earlier --sweep
+            learning_rates = json.loads(chosen.read_text())
     if args.sweep or learning_rates is None:
         if not args.sweep:
             parser.error(f"hidden {args.hidden} has no registered learning rates: run with --sweep")

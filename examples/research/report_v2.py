@@ -5,8 +5,8 @@ DIFF of the same layout; where an architecture does not learn, its budget curve.
 
     python examples/research/report_v2.py          # results/v2/report.md from the journals, as far as they go
 
-It reads only the journals (`results/v2/h64/jobs.jsonl`, `h128/jobs.jsonl`, `lm_h64/jobs.jsonl`), with the verdicts of
-`compare.py`'s summaries (`compare.needle_verdicts`, the LM summary's rule), so a cell is "pending" until its runs
+It reads only the journals of `NEEDLE_STUDIES` and `LM_STUDIES` (`results/v2/<folder>/jobs.jsonl`), with the verdicts
+of `compare.py`'s summaries (`compare.needle_verdicts`, the LM summary's rule), so a cell is "pending" until its runs
 (and their plateau retries) are in the journal; rerun it as they arrive. `results/report.md` (issue 30) is not touched.
 """
 
@@ -24,7 +24,14 @@ from settings import COMPARISON, DESCRIPTIONS, comparison_settings, lm_hidden
 from tasks import plateau_loss
 
 
-HIDDEN_SIZES = (64, 128)
+NEEDLE_STUDIES = ((64, "h64", "hidden 64 (CPU)"), (128, "h128", "hidden 128 (CPU)"), (128, "h128_cuda", "hidden 128 (H100)"))
+"""Each needle study: its hidden size, its journal's folder under results/v2, its label. Hidden 128 ran twice with the
+same rules, seeds and learning rates (the CPU sweep's): on the CPUs (the registered run, resumable) and as a replicate
+on a lent H100 (`compare.py --device cuda`); the two journals are never mixed."""
+LM_STUDIES = (("lm_h64", "CPU"), ("lm_h64_cuda", "H100"))
+"""Each language-modelling study: its journal's folder under results/v2 and the device it ran on."""
+DEVICE_PAIR = ("h128", "h128_cuda")
+"""The same registered runs on two devices: their outcomes compared run by run."""
 
 CLAIMS = (
     ("1", "DINT retrieves needles better than DIFF of the same layout (what the integral adds)",
@@ -45,10 +52,10 @@ def name(kind: str) -> str:
     return DESCRIPTIONS.get(kind, kind)
 
 
-def needle_cells(hidden: int, results: Path) -> tuple[dict, dict, object]:
+def needle_cells(hidden: int, folder: str, results: Path) -> tuple[dict, dict, object]:
     """Per kind, the run standing for each seed (`compare.seed_records`), and per pair the verdict cell text."""
     settings = comparison_settings(hidden)
-    records = read_journal(results / f"h{hidden}" / "jobs.jsonl")
+    records = read_journal(results / folder / "jobs.jsonl")
     by_kind = {kind: seed_records(records, settings, kind) for kind in COMPARISON}
     cells = {}
     for a, b in PAIRS:
@@ -77,77 +84,108 @@ def budget_curve(run: dict, settings) -> str:
 def lm_section(lines: list[str], results: Path) -> None:
     settings = comparison_settings(64)
     hidden = lm_hidden(settings)
-    records = read_journal(results / f"lm_h{hidden}" / "jobs.jsonl")
     lines += [f"## Claim 6: DINT models language better (lower test perplexity), hidden {hidden}", ""]
-    sweep = [r for r in records.values() if r["phase"] == "sweep" and r.get("task") == "lm"]
-    runs = {kind: lm_seed_records(records, hidden, kind) for kind in COMPARISON}
-    if not any(runs.values()):
-        lines += [f"Pending: not run yet (`python examples/research/compare.py --task lm --hidden {hidden}`; its rules "
-                  f"are fixed in `comparison_settings`; {len(sweep)} sweep runs in the journal).", ""]
+    for folder, device in LM_STUDIES:
+        records = read_journal(results / folder / "jobs.jsonl")
+        where = f"[`{folder}/`]({folder}/)" if (results / folder).is_dir() else f"`{folder}/`"
+        lines += [f"### On the {device} ({where})", ""]
+        sweep = [r for r in records.values() if r["phase"] == "sweep" and r.get("task") == "lm"]
+        runs = {kind: lm_seed_records(records, hidden, kind) for kind in COMPARISON}
+        if not any(runs.values()):
+            lines += [f"Not run yet (`python examples/research/compare.py --task lm --hidden {hidden}`"
+                      + (" --device cuda" if device != "CPU" else "") + f"; its rules are fixed in "
+                      f"`comparison_settings`; {len(sweep)} sweep runs in the journal).", ""]
+            continue
+        rates = chosen_learning_rates(sweep)
+        lines += ["| architecture | lr | seeds run | stopped by the rule | test perplexity |",
+                  "| --- | --- | --- | --- | --- |"]
+        for kind in COMPARISON:
+            kind_runs = runs[kind]
+            perplexity = [r["test_perplexity"] for r in kind_runs]
+            lines.append(f"| {name(kind)} | {rates.get(kind, '-')} | {len(kind_runs)} | "
+                         f"{sum(not r['hit_cap'] for r in kind_runs)}/{len(kind_runs)} | "
+                         f"{ci_text(perplexity, settings, 2) if len(perplexity) > 1 else '-'} |")
+        lines += ["", "| pair (A beats B: lower perplexity) | verdict |", "| --- | --- |"]
+        for _, _, pairs in CLAIMS:
+            for a, b in pairs:
+                ra, rb = runs[a], runs[b]
+                if not run_on_every_seed(ra, rb, settings.lm_seeds):
+                    lines.append(f"| {name(a)} vs {name(b)} | pending (seeds run {len(ra)} and {len(rb)}) |")
+                    continue
+                verdict, difference = lm_verdict(ra, rb, settings)
+                lines.append(f"| {name(a)} vs {name(b)} | **{verdict}** {difference_text(difference, 2)} |")
+        lines.append("")
+
+
+def device_section(lines: list[str], results: Path) -> None:
+    """The registered runs (phase main) that both journals of `DEVICE_PAIR` hold: learned or not on each device."""
+    cpu_folder, gpu_folder = DEVICE_PAIR
+    settings = comparison_settings(128)
+    cpu, gpu = (read_journal(results / folder / "jobs.jsonl") for folder in DEVICE_PAIR)
+    both = sorted(set(cpu) & set(gpu), key=lambda key: (COMPARISON.index(cpu[key]["kind"]), cpu[key]["seed"]))
+    both = [key for key in both if cpu[key]["phase"] == "main"]
+    lines += ["## The same runs on two devices", "",
+              f"The registered runs (before any retry) that both [`{cpu_folder}/`]({cpu_folder}/) (CPU) and "
+              f"[`{gpu_folder}/`]({gpu_folder}/) (H100) hold: the same model, data, seed and learning rate; the "
+              "floating-point arithmetic differs, so whether a run leaves the plateau can differ where its training is "
+              "near the edge.", ""]
+    if not both:
+        lines += ["None yet.", ""]
         return
-    rates = chosen_learning_rates(sweep)
-    lines += ["| architecture | lr | seeds run | stopped by the rule | test perplexity |", "| --- | --- | --- | --- | --- |"]
-    for kind in COMPARISON:
-        kind_runs = runs[kind]
-        perplexity = [r["test_perplexity"] for r in kind_runs]
-        lines.append(f"| {name(kind)} | {rates.get(kind, '-')} | {len(kind_runs)} | "
-                     f"{sum(not r['hit_cap'] for r in kind_runs)}/{len(kind_runs)} | "
-                     f"{ci_text(perplexity, settings, 2) if len(perplexity) > 1 else '-'} |")
-    lines += ["", "| pair (A beats B: lower perplexity) | verdict |", "| --- | --- |"]
-    for _, _, pairs in CLAIMS:
-        for a, b in pairs:
-            ra, rb = runs[a], runs[b]
-            if not run_on_every_seed(ra, rb, settings.lm_seeds):
-                lines.append(f"| {name(a)} vs {name(b)} | pending (seeds run {len(ra)} and {len(rb)}) |")
-                continue
-            verdict, difference = lm_verdict(ra, rb, settings)
-            lines.append(f"| {name(a)} vs {name(b)} | **{verdict}** {difference_text(difference, 2)} |")
+    agree = sum(learned(cpu[key], settings) == learned(gpu[key], settings) for key in both)
+    lines += [f"Same outcome (learned or not) on {agree} of {len(both)} runs.", "",
+              "| architecture | seed | CPU: best validation loss (learned) | H100 |", "| --- | --- | --- | --- |"]
+    for key in both:
+        cells = [f"{run['best_validation_loss']:.3f} ({'yes' if learned(run, settings) else 'no'})"
+                 for run in (cpu[key], gpu[key])]
+        lines.append(f"| {name(cpu[key]['kind'])} | {cpu[key]['seed']} | " + " | ".join(cells) + " |")
     lines.append("")
 
 
 def write_report(out: Path, results: Path = RESULTS) -> str:
     """`out`/report.md from the journals under `results` (default: results/v2)."""
-    states = {hidden: needle_cells(hidden, results) for hidden in HIDDEN_SIZES}
+    states = {folder: needle_cells(hidden, folder, results) for hidden, folder, _ in NEEDLE_STUDIES}
     lines = [
         "# Issue 38: the papers' claims judged where every architecture learns key matching", "",
-        "Written by `python examples/research/report_v2.py` from the journals of `compare.py` (hidden 64: "
-        "[`h64/`](h64/), hidden 128: [`h128/`](h128/), language modelling: `lm_h64/`). Task, "
+        "Written by `python examples/research/report_v2.py` from the journals of `compare.py` ("
+        + ", ".join(f"{label}: [`{folder}/`]({folder}/)" for _, folder, label in NEEDLE_STUDIES)
+        + ", language modelling: " + ", ".join(f"`{folder}/` ({device})" for folder, device in LM_STUDIES) + "). Task, "
         "rules, learning rates and the plateau extension and retry: the summaries and `examples/research/README.md`. "
         "A verdict (the decision rule: 95% paired bootstrap over 5 seeds) is given only where both architectures ran "
         "every seed and learned key matching (left the 1/N plateau) on at least 4 of 5; *pending* cells wait for runs "
         "still to come.", "",
         "## Who learns key matching", "",
-        "| architecture | " + " | ".join(f"hidden {h}: learned (r: retried seeds)" for h in HIDDEN_SIZES) + " |",
-        "| --- | " + " | ".join("---" for _ in HIDDEN_SIZES) + " |",
+        "| architecture | " + " | ".join(f"{label}: learned (r: retried seeds)" for _, _, label in NEEDLE_STUDIES) + " |",
+        "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |",
     ]
     for kind in COMPARISON:
         cells = []
-        for hidden in HIDDEN_SIZES:
-            by_kind, _, settings = states[hidden]
+        for _, folder, _ in NEEDLE_STUDIES:
+            by_kind, _, settings = states[folder]
             runs = by_kind[kind]
             retried = sum(r["retried"] for r in runs)
             cells.append(f"{sum(learned(r, settings) for r in runs)}/{len(runs)} run" + (f" ({retried} r)" if retried else ""))
         lines.append(f"| {name(kind)} | " + " | ".join(cells) + " |")
-    for hidden in HIDDEN_SIZES:
-        by_kind, _, settings = states[hidden]
+    for _, folder, label in NEEDLE_STUDIES:
+        by_kind, _, settings = states[folder]
         transformer = by_kind["transformer"]
         two = min(n for n in settings.needle_counts if n >= 2)
         if len(transformer) == len(settings.seeds):
             accuracy = [r["accuracy"]["1"][str(two)] for r in transformer]
-            lines += ["", f"Hidden {hidden}: the Transformer's {two}-needle accuracy at the trained length "
-                      f"{ci_text(accuracy, settings)} (the sign that the task is learnable here: at least 0.9)."]
+            lines += ["", f"{label[0].upper() + label[1:]}: the Transformer's {two}-needle accuracy at the trained "
+                      f"length {ci_text(accuracy, settings)} (the sign that the task is learnable here: at least 0.9)."]
     lines += ["", "## Budget curves of the architectures that do not learn", "",
               "Best validation loss by 1000 / 3000 / 6000 steps (`-`: the run stopped earlier), per seed, the registered "
               "run and its plateau retry at half the rate; learned means below the threshold.", ""]
-    for hidden in HIDDEN_SIZES:
-        by_kind, _, settings = states[hidden]
-        records = read_journal(results / f"h{hidden}" / "jobs.jsonl")
+    for hidden, folder, label in NEEDLE_STUDIES:
+        by_kind, _, settings = states[folder]
+        records = read_journal(results / folder / "jobs.jsonl")
         threshold = settings.plateau_fraction * plateau_loss(settings)
         for kind in COMPARISON:
             runs = by_kind[kind]
             if len(runs) < len(settings.seeds) or sum(learned(r, settings) for r in runs) >= 4:
                 continue
-            lines.append(f"- hidden {hidden}, {name(kind)} (threshold {threshold:.2f}):")
+            lines.append(f"- {label}, {name(kind)} (threshold {threshold:.2f}):")
             for run in runs:
                 entries = sorted((r for r in records.values() if r["phase"] in ("main", "retry") and r["kind"] == kind
                                   and r["seed"] == run["seed"] and r["hidden"] == hidden), key=lambda r: r["phase"])
@@ -155,10 +193,12 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
                     f"{r['phase']} lr {r['lr']:g}: {budget_curve(r, settings)}" for r in entries))
     for number, claim, pairs in CLAIMS:
         lines += ["", f"## Claim {number}: {claim}", "", "| pair (A beats B) | " + " | ".join(
-            f"hidden {h}" for h in HIDDEN_SIZES) + " |", "| --- | " + " | ".join("---" for _ in HIDDEN_SIZES) + " |"]
+            label for _, _, label in NEEDLE_STUDIES) + " |", "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |"]
         for a, b in pairs:
-            lines.append(f"| {name(a)} vs {name(b)} | " + " | ".join(states[h][1][a, b] for h in HIDDEN_SIZES) + " |")
+            lines.append(f"| {name(a)} vs {name(b)} | "
+                         + " | ".join(states[folder][1][a, b] for _, folder, _ in NEEDLE_STUDIES) + " |")
     lines += [""]
+    device_section(lines, results)
     lm_section(lines, results)
     lines += [
         "## Why the head norm stops small models", "",

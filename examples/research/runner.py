@@ -50,6 +50,7 @@ def run_job(job: dict, settings_dict: dict) -> dict:
         record = run_lm_job(job, settings)
     record.update(job)
     record["id"] = job_id(job)
+    record["device"] = torch.cuda.get_device_name(settings.device) if settings.device.startswith("cuda") else "cpu"
     record["seconds"] = time.time() - started
     return record
 
