@@ -233,20 +233,23 @@ class DintConfig(PreTrainedConfig):
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """The tensor-parallel plan of the layout (`V1_TP_PLAN` or `V2_TP_PLAN`: each differential head on one rank),
-        with the entries of an assigned plan over it (see the setter)."""
-        layout_plan = V1_TP_PLAN if self.differential_attention == "v1" else V2_TP_PLAN
-        return {**layout_plan, **self.__dict__.get("base_model_tp_plan", {})}
+        with the entries of an assigned plan over it (see the setter); a new dict each time."""
+        return {**self._layout_tp_plan(), **self.__dict__.get("base_model_tp_plan", {})}
 
     @base_model_tp_plan.setter
     def base_model_tp_plan(self, plan: dict[str, str]) -> None:
         """transformers assigns the plan: 5.15 to 5.20's `PreTrainedConfig.__post_init__` adds `embed_tokens` to it when
-        `tie_word_embeddings` is set, the FP8 quantizers replace it. The entries that differ from the layout's plan are
-        kept, under the class attribute's name in `__dict__` (where transformers' own configs keep an assigned plan,
-        and which `to_dict` leaves out); the layout's other entries still follow `differential_attention`."""
-        layout_plan = V1_TP_PLAN if self.differential_attention == "v1" else V2_TP_PLAN
+        `tie_word_embeddings` is set. The entries that differ from the layout's plan are kept, under the class
+        attribute's name in `__dict__` (where transformers' own configs keep an assigned plan, and which `to_dict`
+        leaves out), over the layout's plan: an assignment adds or changes entries, and the layout's other entries
+        still follow `differential_attention`."""
+        layout_plan = self._layout_tp_plan()
         self.__dict__["base_model_tp_plan"] = {
             module: style for module, style in (plan or {}).items() if layout_plan.get(module) != style
         }
+
+    def _layout_tp_plan(self) -> dict[str, str]:
+        return V1_TP_PLAN if self.differential_attention == "v1" else V2_TP_PLAN
 
     @property
     def layer_types(self) -> list[str]:

@@ -70,13 +70,16 @@ def test_tied_embeddings_build_save_and_reload_with_the_layouts_tp_plan(tmp_path
         assert torch.equal(reloaded(input_ids).logits, model(input_ids).logits)
 
 
-def test_an_assigned_tp_plan_overrides_only_the_entries_it_changes():
-    config = tiny_config()
-    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
-    assert config.base_model_tp_plan == {**V1_TP_PLAN, "embed_tokens": "embedding_rowwise"}
-    config.differential_attention = "v2"  # the layout's own entries follow the layout
-    assert config.base_model_tp_plan == {**V2_TP_PLAN, "embed_tokens": "embedding_rowwise"}
+@pytest.mark.parametrize("differential_attention", ["v1", "v2"])
+def test_an_assigned_tp_plan_adds_or_changes_entries_over_the_layouts(differential_attention):
+    config = tiny_config(differential_attention=differential_attention)
+    layout_plan = V1_TP_PLAN if differential_attention == "v1" else V2_TP_PLAN
+    changed = {"embed_tokens": "embedding_rowwise", "layers.*.mlp.down_proj": "rowwise_split_input"}
+    config.base_model_tp_plan = {**config.base_model_tp_plan, **changed}
+    assert config.base_model_tp_plan == {**layout_plan, **changed}
+    assert config.__dict__["base_model_tp_plan"] == changed  # only what differs from the layout's plan is kept
     assert "base_model_tp_plan" not in config.to_dict()
+    assert "base_model_tp_plan" not in json.loads(config.to_json_string())
 
 
 @pytest.mark.parametrize("padded", [False, True])
