@@ -532,17 +532,32 @@ def test_language_modelling_comparison_runs_to_its_summary(tmp_path, capsys):
     assert "jobs to run" not in capsys.readouterr().out
 
 
-def test_long_diagnostic_runs_exactly_its_steps_into_its_own_journal(tmp_path):
+def test_long_diagnostic_runs_exactly_its_steps_into_its_own_journal(tmp_path, capsys):
     """`compare.py --long LR STEPS` (a diagnostic beyond the registered budget): each kind on each seed at LR for
-    exactly STEPS steps (here the dry run's 2), fully evaluated, in `long/jobs.jsonl`, never the comparison's journal."""
+    exactly STEPS steps, fully evaluated, in `long_STEPS/jobs.jsonl`, never the comparison's journal; --long with
+    options it does not take, or steps that are not a whole number, is a clear error."""
     import compare
 
-    compare.main(["--hidden", "128", "--kinds", "diff_v2", "--seeds", "3", "--long", "2e-3", "5", "--dry-run",
+    compare.main(["--hidden", "128", "--kinds", "diff_v2", "--seeds", "3", "--long", "2e-3", "1", "--dry-run",
                   "--no-compile", "--workers", "1", "--out", str(tmp_path)])
-    (record,) = [json.loads(line) for line in (tmp_path / "long" / "jobs.jsonl").read_text().splitlines()]
+    (record,) = [json.loads(line) for line in (tmp_path / "long_1" / "jobs.jsonl").read_text().splitlines()]
     assert (record["phase"], record["kind"], record["seed"], record["lr"], record["steps"]) == ("long", "diff_v2", 3,
-                                                                                               2e-3, 2)
+                                                                                               2e-3, 1)
     assert record["device"] == "cpu" and "accuracy" in record and not (tmp_path / "jobs.jsonl").exists()
+    for wrong in (["--long", "2e-3", "1.2e4"], ["--long", "2e-3", "10", "--summary-only"], ["--long", "0", "10"]):
+        with pytest.raises(SystemExit):
+            compare.main(["--hidden", "128", "--out", str(tmp_path), *wrong])
+    assert "--long" in capsys.readouterr().err
+
+
+def test_a_journal_takes_runs_of_one_device(tmp_path, capsys):
+    import compare
+
+    (tmp_path / "jobs.jsonl").write_text(json.dumps({"id": "main/needle/dint/h64/T64/lr0.001/s0",
+                                                      "device": "NVIDIA H100 80GB HBM3"}) + "\n")
+    with pytest.raises(SystemExit):
+        compare.main(["--hidden", "64", "--out", str(tmp_path), "--seeds", "0"])
+    assert "holds runs on NVIDIA H100 80GB HBM3, not cpu" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device exists")

@@ -19,9 +19,12 @@ Table 4 accuracies at 1x/2x/4x with 95% bootstrap intervals, the first-query con
 rule, `decision_rule.beats`) only for pairs where both architectures ran every seed and learned on at least 4 of 5.
 It never writes results/report.md (the committed report of issue 30).
 
-`--device cuda` runs the same registered jobs (the same rules, seeds and learning rates: where the out folder has no
-`learning_rates.json`, the CPU sweep's of `results/v2/h{hidden}/`) on a GPU, into `results/v2/h{hidden}_cuda/`: a
-replicate of the comparison on another device, never mixed into the CPU journal; each record names its device.
+`--device cuda` runs the same registered jobs on a GPU, into `results/v2/h{hidden}_cuda/` (`lm_h{hidden}_cuda/`): a
+replicate of the comparison on another device. Each record names its device, and a journal takes runs of one device
+only. The needle task's learning rates are the out folder's `learning_rates.json`, else the CPU sweep's
+(`results/v2/h{hidden}/`, whatever the out folder); `--task lm` sweeps its rates in its own journal, on its device.
+`--long LR STEPS` (a diagnostic, no verdict uses it): each of `--kinds` on each seed at LR for exactly STEPS steps, in
+`long_{STEPS}/jobs.jsonl` of the out folder.
 
 `--task lm` (issue 38 item 4): the same architectures on the committed report's language modelling (Shakespeare, the
 package's tokenizer), each run to the stopping rule (`comparison_settings`: from 1000 steps, a cap of 20,000 it is
@@ -45,7 +48,7 @@ import torch  # noqa: E402
 
 from decision_rule import beats, ci_text, difference_text  # noqa: E402
 from model_shapes import build_model, count_parameters  # noqa: E402
-from runner import environment, job_id, run_jobs  # noqa: E402
+from runner import device_name, environment, job_id, run_jobs  # noqa: E402
 from settings import (  # noqa: E402
     COMPARISON, DESCRIPTIONS, Settings, comparison_settings, lm_hidden, shrink_for_dry_run,
 )
@@ -257,7 +260,7 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
         "has 5 seeds)", "",
         f"Written by `python examples/research/compare.py --hidden {hidden}{device_flag(settings)} --summary-only` from "
         "`jobs.jsonl` "
-        f"(one record per finished run). Environment: {environment()}. The runs ran on: {devices_text(records)}.", "",
+        f"(one record per finished run), on {environment()}. The runs ran on: {devices_text(records)}.", "",
         "Rules (fixed in code before the first run): the committed report's task, stopping rule and plateau clause "
         f"(`Settings`), plus issue 38's plateau extension: a run still on the plateau (best validation loss above "
         f"{settings.plateau_fraction} x {plateau:.3f}) at the {settings.max_steps}-step cap goes on to "
@@ -334,7 +337,7 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
         f"# Issue 38's language modelling to the stopping rule, hidden {hidden}, context {settings.lm_context}", "",
         f"Written by `python examples/research/compare.py --task lm --hidden {hidden}{device_flag(settings)} "
         "--summary-only` from "
-        f"`jobs.jsonl`. Environment: {environment()}. The runs ran on: {devices_text(records)}.", "",
+        f"`jobs.jsonl`, on {environment()}. The runs ran on: {devices_text(records)}.", "",
         f"Rules (fixed in code before the first run): the committed report's corpus, model sizes and stopping rule; "
         f"from {settings.lm_min_steps} steps, a cap of {settings.lm_max_steps} (the committed runs stopped at 300), "
         f"validation every {settings.lm_eval_every} steps, batch {settings.lm_batch} x {settings.lm_context} tokens; "
@@ -418,7 +421,15 @@ def main(argv=None) -> None:
     if args.no_compile:
         settings.compile = False
     if args.long:
-        settings.long_steps = int(args.long[1])
+        if args.task == "lm" or args.sweep or args.summary_only or args.only or args.max_jobs or args.rate:
+            parser.error("--long runs the needle diagnostic alone: not with --task lm, --sweep, --summary-only, "
+                         "--only, --max-jobs or --rate")
+        try:
+            long_lr, settings.long_steps = float(args.long[0]), int(args.long[1])
+        except ValueError:
+            parser.error(f"--long takes a learning rate and a whole number of steps, got {args.long}")
+        if long_lr <= 0 or settings.long_steps < 1:
+            parser.error(f"--long takes a positive learning rate and at least 1 step, got {args.long}")
     if args.dry_run:
         shrink_for_dry_run(settings)
     if args.workers:
@@ -432,8 +443,13 @@ def main(argv=None) -> None:
                   "environment": environment(), "rates": rates}
         (out / "rate.json").write_text(json.dumps(record, indent=1))
         return
-    journal = out / "jobs.jsonl"
+    journal = out / ("jobs.jsonl" if not args.long else f"long_{settings.long_steps}/jobs.jsonl")
+    journal.parent.mkdir(exist_ok=True)
     done = read_journal(journal)
+    device = None if args.summary_only else device_name(settings.device)
+    if device is not None and any(record.get("device", "cpu") != device for record in done.values()):
+        parser.error(f"{journal} holds runs on {devices_text(done)}, not {device}: a journal takes runs of one device "
+                     "(give another --out)")
 
     def log(message):
         print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -443,11 +459,9 @@ def main(argv=None) -> None:
         return
     if args.long:
         hidden, context = settings.needle_configs[0]
-        long_journal = out / "long" / "jobs.jsonl"
-        long_journal.parent.mkdir(exist_ok=True)
-        jobs = [dict(phase="long", task="needle", kind=kind, hidden=hidden, context=context, lr=float(args.long[0]),
-                     seed=seed) for kind in args.kinds for seed in settings.seeds]
-        run_jobs(jobs, settings, long_journal, read_journal(long_journal), log)
+        jobs = [dict(phase="long", task="needle", kind=kind, hidden=hidden, context=context, lr=long_lr, seed=seed)
+                for kind in args.kinds for seed in settings.seeds]
+        run_jobs(jobs, settings, journal, done, log)
         return
 
     learning_rates = REGISTERED_LEARNING_RATES.get(args.hidden)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from compare import (
-    PAIRS, RESULTS, chosen_learning_rates, learned, lm_seed_records, lm_verdict, needle_verdicts, read_journal,
+    PAIRS, RESULTS, chosen_learning_rates, devices_text, learned, lm_seed_records, lm_verdict, needle_verdicts, read_journal,
     run_on_every_seed, seed_records,
 )
 from decision_rule import ci_text, difference_text
@@ -24,12 +24,13 @@ from settings import COMPARISON, DESCRIPTIONS, comparison_settings, lm_hidden
 from tasks import plateau_loss
 
 
-NEEDLE_STUDIES = ((64, "h64", "hidden 64 (CPU)"), (128, "h128", "hidden 128 (CPU)"), (128, "h128_cuda", "hidden 128 (H100)"))
-"""Each needle study: its hidden size, its journal's folder under results/v2, its label. Hidden 128 ran twice with the
-same rules, seeds and learning rates (the CPU sweep's): on the CPUs (the registered run, resumable) and as a replicate
-on a lent H100 (`compare.py --device cuda`); the two journals are never mixed."""
-LM_STUDIES = (("lm_h64", "CPU"), ("lm_h64_cuda", "H100"))
-"""Each language-modelling study: its journal's folder under results/v2 and the device it ran on."""
+NEEDLE_STUDIES = ((64, "h64", "hidden 64 (CPU)"), (128, "h128", "hidden 128 (CPU)"), (128, "h128_cuda", "hidden 128 (GPU)"))
+"""Each needle study: its hidden size, its journal's folder under results/v2, its label (the report names the GPU
+from the records). Hidden 128 ran twice with the same rules, seeds and learning rates (the CPU sweep's): on the CPUs
+(the registered run, resumable) and as a replicate on a lent GPU (`compare.py --device cuda`); a journal holds runs
+of one device only."""
+LM_STUDIES = (("lm_h64", "CPU"), ("lm_h64_cuda", "GPU"))
+"""Each language-modelling study: its journal's folder under results/v2 and the kind of device it runs on."""
 DEVICE_PAIR = ("h128", "h128_cuda")
 """The same registered runs on two devices: their outcomes compared run by run."""
 
@@ -72,13 +73,14 @@ def needle_cells(hidden: int, folder: str, results: Path) -> tuple[dict, dict, o
     return by_kind, cells, settings
 
 
-def budget_curve(run: dict, settings) -> str:
-    """Best validation loss by each of `BUDGET_STEPS` (against the plateau threshold), for one run."""
+def budget_curve(run: dict, settings, budget_steps: tuple = BUDGET_STEPS) -> str:
+    """Best validation loss by each of `budget_steps` (against the plateau threshold), then the run's best and its
+    step (a run that learned and stopped before a budget step shows there)."""
     best = []
-    for limit in BUDGET_STEPS:
+    for limit in budget_steps:
         losses = [loss for step, loss in zip(run["eval_steps"], run["validation_losses"]) if step <= limit]
         best.append(f"{min(losses):.2f}" if losses and run["steps"] >= limit else "-")
-    return " / ".join(best)
+    return " / ".join(best) + f" (best {run['best_validation_loss']:.2f} at step {run['best_step']} of {run['steps']})"
 
 
 def lm_section(lines: list[str], results: Path) -> None:
@@ -88,7 +90,7 @@ def lm_section(lines: list[str], results: Path) -> None:
     for folder, device in LM_STUDIES:
         records = read_journal(results / folder / "jobs.jsonl")
         where = f"[`{folder}/`]({folder}/)" if (results / folder).is_dir() else f"`{folder}/`"
-        lines += [f"### On the {device} ({where})", ""]
+        lines += [f"### On the {device} ({where}" + (f", run on {devices_text(records)}" if records else "") + ")", ""]
         sweep = [r for r in records.values() if r["phase"] == "sweep" and r.get("task") == "lm"]
         runs = {kind: lm_seed_records(records, hidden, kind) for kind in COMPARISON}
         if not any(runs.values()):
@@ -117,6 +119,27 @@ def lm_section(lines: list[str], results: Path) -> None:
         lines.append("")
 
 
+def long_section(lines: list[str], results: Path) -> None:
+    """The diagnostics beyond the registered budget (`compare.py --long`, `<study>/long/jobs.jsonl`): no verdict uses
+    them; they say whether an architecture short of 4 of 5 learns given more steps."""
+    found = [(hidden, folder, label, journal.parent.name, run) for hidden, folder, label in NEEDLE_STUDIES
+             for journal in sorted((results / folder).glob("long_*/jobs.jsonl"))
+             for run in read_journal(journal).values()]
+    if not found:
+        return
+    lines += ["", "Beyond the registered budget (a diagnostic: `compare.py --long LR STEPS`, exactly STEPS steps, "
+              "no early stopping; no verdict uses it), best validation loss by 1000 / 3000 / 6000 / 9000 / 12000 "
+              "steps:", ""]
+    for hidden, folder, label, long_folder, run in sorted(found, key=lambda item: (item[1], item[3], item[4]["kind"],
+                                                                                    item[4]["seed"])):
+        settings = comparison_settings(hidden)
+        device = run.get("device", "cpu").replace("cpu", "CPU")
+        lines.append(f"- {label} ([`{folder}/{long_folder}/`]({folder}/{long_folder}/), on the {device}), "
+                     f"{name(run['kind'])}, seed {run['seed']}, lr {run['lr']:g}: "
+                     f"{budget_curve(run, settings, (1000, 3000, 6000, 9000, 12000))}: "
+                     f"{'learned' if learned(run, settings) else 'not learned'}")
+
+
 def device_section(lines: list[str], results: Path) -> None:
     """The registered runs (phase main) that both journals of `DEVICE_PAIR` hold: learned or not on each device."""
     cpu_folder, gpu_folder = DEVICE_PAIR
@@ -125,16 +148,17 @@ def device_section(lines: list[str], results: Path) -> None:
     both = sorted(set(cpu) & set(gpu), key=lambda key: (COMPARISON.index(cpu[key]["kind"]), cpu[key]["seed"]))
     both = [key for key in both if cpu[key]["phase"] == "main"]
     lines += ["## The same runs on two devices", "",
-              f"The registered runs (before any retry) that both [`{cpu_folder}/`]({cpu_folder}/) (CPU) and "
-              f"[`{gpu_folder}/`]({gpu_folder}/) (H100) hold: the same model, data, seed and learning rate; the "
-              "floating-point arithmetic differs, so whether a run leaves the plateau can differ where its training is "
-              "near the edge.", ""]
+              f"The registered runs (before any retry) that both [`{cpu_folder}/`]({cpu_folder}/) ({devices_text(cpu)}) "
+              f"and [`{gpu_folder}/`]({gpu_folder}/) ({devices_text(gpu)}) hold: the same model, initialisation, "
+              "batches, seed and learning rate; the arithmetic differs (another device, and the journals' summaries "
+              "name their releases and whether the steps ran compiled), so whether a run leaves the plateau can "
+              "differ where its training is near the edge.", ""]
     if not both:
         lines += ["None yet.", ""]
         return
     agree = sum(learned(cpu[key], settings) == learned(gpu[key], settings) for key in both)
     lines += [f"Same outcome (learned or not) on {agree} of {len(both)} runs.", "",
-              "| architecture | seed | CPU: best validation loss (learned) | H100 |", "| --- | --- | --- | --- |"]
+              "| architecture | seed | CPU: best validation loss (learned) | GPU |", "| --- | --- | --- | --- |"]
     for key in both:
         cells = [f"{run['best_validation_loss']:.3f} ({'yes' if learned(run, settings) else 'no'})"
                  for run in (cpu[key], gpu[key])]
@@ -148,8 +172,9 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
     lines = [
         "# Issue 38: the papers' claims judged where every architecture learns key matching", "",
         "Written by `python examples/research/report_v2.py` from the journals of `compare.py` ("
-        + ", ".join(f"{label}: [`{folder}/`]({folder}/)" for _, folder, label in NEEDLE_STUDIES)
-        + ", language modelling: " + ", ".join(f"`{folder}/` ({device})" for folder, device in LM_STUDIES) + "). Task, "
+        + "; ".join(f"{label}: [`{folder}/`]({folder}/), run on {devices_text(read_journal(results / folder / 'jobs.jsonl'))}"
+                    for _, folder, label in NEEDLE_STUDIES)
+        + "; language modelling: " + ", ".join(f"`{folder}/` ({device})" for folder, device in LM_STUDIES) + "). Task, "
         "rules, learning rates and the plateau extension and retry: the summaries and `examples/research/README.md`. "
         "A verdict (the decision rule: 95% paired bootstrap over 5 seeds) is given only where both architectures ran "
         "every seed and learned key matching (left the 1/N plateau) on at least 4 of 5; *pending* cells wait for runs "
@@ -191,6 +216,7 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
                                   and r["seed"] == run["seed"] and r["hidden"] == hidden), key=lambda r: r["phase"])
                 lines.append(f"  - seed {run['seed']}: " + "; ".join(
                     f"{r['phase']} lr {r['lr']:g}: {budget_curve(r, settings)}" for r in entries))
+    long_section(lines, results)
     for number, claim, pairs in CLAIMS:
         lines += ["", f"## Claim {number}: {claim}", "", "| pair (A beats B) | " + " | ".join(
             label for _, _, label in NEEDLE_STUDIES) + " |", "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |"]

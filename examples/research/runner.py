@@ -50,10 +50,18 @@ def run_job(job: dict, settings_dict: dict) -> dict:
         record = run_lm_job(job, settings)
     record.update(job)
     record["id"] = job_id(job)
-    record["device"] = torch.cuda.get_device_name(settings.device) if settings.device.startswith("cuda") else "cpu"
+    # what the run ran on and with (records before 2026-11-27 name none of it: the CPU, compiled, the journal's
+    # summary's releases)
+    record["device"] = device_name(settings.device)
+    record.update(compile=settings.compile, torch=torch.__version__, transformers=transformers.__version__)
     record["seconds"] = time.time() - started
     return record
 
+
+
+def device_name(device: str) -> str:
+    """"cpu", or the GPU's name (`torch.cuda.get_device_name`): what a record names as its device."""
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
 def run_needle_job(job: dict, settings: Settings) -> dict:
