@@ -10,7 +10,7 @@ layer (DIFF's factor, which the package leaves out), a small constant; and measu
 `--measure-every` steps on the validation batch (eager forward hooks): per layer, the RMS of the residual stream
 entering the layer, of the head norm's output (or, without head norm, of the combined heads), and of the attention
 block's output (o_proj, what is added to the stream). `--init-only` measures every comparison kind at init, no
-training.
+training (`--hidden 128`: at the comparison's hidden-128 shape, into `init_h128.json`).
 
     python examples/research/headnorm_probe.py --variants 1 lambda 0.1 --seeds 0 1 --steps 1500
 
@@ -140,6 +140,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--measure-every", type=int, default=250)
     parser.add_argument("--init-only", action="store_true")
+    parser.add_argument("--hidden", type=int, default=64, choices=(64, 128),
+                        help="the comparison's size (training: 64 only; --init-only writes init_h128.json for 128)")
     parser.add_argument("--summary", action="store_true", help="write OUT/summary.md from the records and stop")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -148,7 +150,9 @@ def main(argv=None) -> None:
     if args.summary:
         print(write_summary(args.out))
         return
-    settings = comparison_settings(64)
+    if args.hidden != 64 and not args.init_only:
+        parser.error("--hidden 128 measures at init only (--init-only)")
+    settings = comparison_settings(args.hidden)
     hidden, context = settings.needle_configs[0]
     vocab = NeedleVocabulary(settings.key_vocab, settings.value_vocab, settings.filler_vocab)
     counts = validation_needle_counts(settings)
@@ -166,7 +170,7 @@ def main(argv=None) -> None:
                 init[f"{kind} x{variant}"] = measure(model, validation["input_ids"])
                 print(kind, variant, [{k: round(v, 4) for k, v in layer.items()} for layer in init[f"{kind} x{variant}"]],
                       flush=True)
-        (args.out / "init.json").write_text(json.dumps({"environment": environment(), "layers": init}, indent=1))
+        (args.out / ("init.json" if hidden == 64 else f"init_h{hidden}.json")).write_text(json.dumps({"environment": environment(), "layers": init}, indent=1))
         return
     plateau = plateau_loss(settings)
     for seed in args.seeds:
