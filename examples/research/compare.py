@@ -403,7 +403,7 @@ def main(argv=None) -> None:
                         "the pipeline end to end (use with --out)")
     parser.add_argument("--long", nargs=2, metavar=("LR", "STEPS"),
                         help="a diagnostic, not part of any verdict: each of --kinds on each of --seeds at LR for "
-                        "exactly STEPS steps (no early stopping), into long/jobs.jsonl of the out folder")
+                        "exactly STEPS steps (no early stopping), into long_STEPS/jobs.jsonl of the out folder")
     parser.add_argument("--max-jobs", type=int, help="run at most this many new jobs, then write the summary")
     parser.add_argument("--workers", type=int, help="jobs at once, one torch thread each (default 1: the registered "
                         "comparison leaves a core to other work; a run's result does not depend on it)")
