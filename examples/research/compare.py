@@ -258,9 +258,9 @@ def write_summary(records: dict, settings: Settings, kinds, learning_rates: dict
     lines = [
         f"# Issue 38's registered comparison, hidden {hidden}, trained at {context} tokens (partial until every cell "
         "has 5 seeds)", "",
-        f"Written by `python examples/research/compare.py --hidden {hidden}{device_flag(settings)} --summary-only` from "
-        "`jobs.jsonl` "
-        f"(one record per finished run), on {environment()}. The runs ran on: {devices_text(records)}.", "",
+        f"Written by `python examples/research/compare.py --hidden {hidden}{device_flag(settings)} --summary-only` "
+        f"from `jobs.jsonl` (one record per finished run), on {environment()}. The runs ran on: "
+        f"{devices_text(records)}.", "",
         "Rules (fixed in code before the first run): the committed report's task, stopping rule and plateau clause "
         f"(`Settings`), plus issue 38's plateau extension: a run still on the plateau (best validation loss above "
         f"{settings.plateau_fraction} x {plateau:.3f}) at the {settings.max_steps}-step cap goes on to "
@@ -336,8 +336,7 @@ def write_lm_summary(records: dict, settings: Settings, kinds, learning_rates: d
     lines = [
         f"# Issue 38's language modelling to the stopping rule, hidden {hidden}, context {settings.lm_context}", "",
         f"Written by `python examples/research/compare.py --task lm --hidden {hidden}{device_flag(settings)} "
-        "--summary-only` from "
-        f"`jobs.jsonl`, on {environment()}. The runs ran on: {devices_text(records)}.", "",
+        f"--summary-only` from `jobs.jsonl`, on {environment()}. The runs ran on: {devices_text(records)}.", "",
         f"Rules (fixed in code before the first run): the committed report's corpus, model sizes and stopping rule; "
         f"from {settings.lm_min_steps} steps, a cap of {settings.lm_max_steps} (the committed runs stopped at 300), "
         f"validation every {settings.lm_eval_every} steps, batch {settings.lm_batch} x {settings.lm_context} tokens; "

@@ -170,7 +170,8 @@ def main(argv=None) -> None:
                 init[f"{kind} x{variant}"] = measure(model, validation["input_ids"])
                 print(kind, variant, [{k: round(v, 4) for k, v in layer.items()} for layer in init[f"{kind} x{variant}"]],
                       flush=True)
-        (args.out / ("init.json" if hidden == 64 else f"init_h{hidden}.json")).write_text(json.dumps({"environment": environment(), "layers": init}, indent=1))
+        init_file = args.out / ("init.json" if hidden == 64 else f"init_h{hidden}.json")
+        init_file.write_text(json.dumps({"environment": environment(), "layers": init}, indent=1))
         return
     plateau = plateau_loss(settings)
     for seed in args.seeds:

@@ -16,15 +16,17 @@ import sys
 from pathlib import Path
 
 from compare import (
-    PAIRS, RESULTS, chosen_learning_rates, devices_text, learned, lm_seed_records, lm_verdict, needle_verdicts, read_journal,
-    run_on_every_seed, seed_records,
+    PAIRS, RESULTS, chosen_learning_rates, devices_text, learned, lm_seed_records, lm_verdict, needle_verdicts,
+    read_journal, run_on_every_seed, seed_records,
 )
 from decision_rule import ci_text, difference_text
 from settings import COMPARISON, DESCRIPTIONS, comparison_settings, lm_hidden
 from tasks import plateau_loss
 
 
-NEEDLE_STUDIES = ((64, "h64", "hidden 64 (CPU)"), (128, "h128", "hidden 128 (CPU)"), (128, "h128_cuda", "hidden 128 (GPU)"))
+NEEDLE_STUDIES = (
+    (64, "h64", "hidden 64 (CPU)"), (128, "h128", "hidden 128 (CPU)"), (128, "h128_cuda", "hidden 128 (GPU)"),
+)
 """Each needle study: its hidden size, its journal's folder under results/v2, its label (the report names the GPU
 from the records). Hidden 128 ran twice with the same rules, seeds and learning rates (the CPU sweep's): on the CPUs
 (the registered run, resumable) and as a replicate on a lent GPU (`compare.py --device cuda`); a journal holds runs
@@ -47,14 +49,17 @@ assert {pair for _, _, pairs in CLAIMS for pair in pairs} == set(PAIRS), "every 
 
 BUDGET_STEPS = (1000, 3000, 6000)
 """The budget curve of an architecture that does not learn: its best validation loss by these steps, per seed."""
+LONG_BUDGET_STEPS = BUDGET_STEPS + (9000, 12000)
+"""The budget curve of a diagnostic run beyond the registered budget (`compare.py --long`)."""
 
 
 def name(kind: str) -> str:
     return DESCRIPTIONS.get(kind, kind)
 
 
-def needle_cells(hidden: int, folder: str, results: Path) -> tuple[dict, dict, object]:
-    """Per kind, the run standing for each seed (`compare.seed_records`), and per pair the verdict cell text."""
+def needle_cells(hidden: int, folder: str, results: Path) -> tuple[dict, dict, dict, object]:
+    """The study's journal (id -> record), per kind the run standing for each seed (`compare.seed_records`), and per
+    pair the verdict cell text."""
     settings = comparison_settings(hidden)
     records = read_journal(results / folder / "jobs.jsonl")
     by_kind = {kind: seed_records(records, settings, kind) for kind in COMPARISON}
@@ -70,7 +75,11 @@ def needle_cells(hidden: int, folder: str, results: Path) -> tuple[dict, dict, o
             continue
         cells[a, b] = "; ".join(f"{measure}: **{verdict}** {difference_text(difference)}"
                                 for measure, (verdict, difference) in verdicts.items())
-    return by_kind, cells, settings
+    return records, by_kind, cells, settings
+
+
+def budget_text(budget_steps: tuple) -> str:
+    return " / ".join(str(steps) for steps in budget_steps)
 
 
 def budget_curve(run: dict, settings, budget_steps: tuple = BUDGET_STEPS) -> str:
@@ -120,15 +129,15 @@ def lm_section(lines: list[str], results: Path) -> None:
 
 
 def long_section(lines: list[str], results: Path) -> None:
-    """The diagnostics beyond the registered budget (`compare.py --long`, `<study>/long/jobs.jsonl`): no verdict uses
-    them; they say whether an architecture short of 4 of 5 learns given more steps."""
+    """The diagnostics beyond the registered budget (`compare.py --long`, `<study>/long_<STEPS>/jobs.jsonl`): no verdict
+    uses them; they say whether an architecture short of 4 of 5 learns given more steps."""
     found = [(hidden, folder, label, journal.parent.name, run) for hidden, folder, label in NEEDLE_STUDIES
              for journal in sorted((results / folder).glob("long_*/jobs.jsonl"))
              for run in read_journal(journal).values()]
     if not found:
         return
     lines += ["", "Beyond the registered budget (a diagnostic: `compare.py --long LR STEPS`, exactly STEPS steps, "
-              "no early stopping; no verdict uses it), best validation loss by 1000 / 3000 / 6000 / 9000 / 12000 "
+              f"no early stopping; no verdict uses it), best validation loss by {budget_text(LONG_BUDGET_STEPS)} "
               "steps:", ""]
     for hidden, folder, label, long_folder, run in sorted(found, key=lambda item: (item[1], item[3], item[4]["kind"],
                                                                                     item[4]["seed"])):
@@ -136,20 +145,21 @@ def long_section(lines: list[str], results: Path) -> None:
         device = run.get("device", "cpu").replace("cpu", "CPU")
         lines.append(f"- {label} ([`{folder}/{long_folder}/`]({folder}/{long_folder}/), on the {device}), "
                      f"{name(run['kind'])}, seed {run['seed']}, lr {run['lr']:g}: "
-                     f"{budget_curve(run, settings, (1000, 3000, 6000, 9000, 12000))}: "
+                     f"{budget_curve(run, settings, LONG_BUDGET_STEPS)}: "
                      f"{'learned' if learned(run, settings) else 'not learned'}")
 
 
-def device_section(lines: list[str], results: Path) -> None:
-    """The registered runs (phase main) that both journals of `DEVICE_PAIR` hold: learned or not on each device."""
+def device_section(lines: list[str], states: dict) -> None:
+    """The registered runs (phase main) that both journals of `DEVICE_PAIR` hold: learned or not on each device
+    (`states`: `needle_cells` by folder)."""
     cpu_folder, gpu_folder = DEVICE_PAIR
-    settings = comparison_settings(128)
-    cpu, gpu = (read_journal(results / folder / "jobs.jsonl") for folder in DEVICE_PAIR)
+    (cpu, _, _, settings), (gpu, _, _, _) = states[cpu_folder], states[gpu_folder]
     both = sorted(set(cpu) & set(gpu), key=lambda key: (COMPARISON.index(cpu[key]["kind"]), cpu[key]["seed"]))
     both = [key for key in both if cpu[key]["phase"] == "main"]
     lines += ["## The same runs on two devices", "",
-              f"The registered runs (before any retry) that both [`{cpu_folder}/`]({cpu_folder}/) ({devices_text(cpu)}) "
-              f"and [`{gpu_folder}/`]({gpu_folder}/) ({devices_text(gpu)}) hold: the same model, initialisation, "
+              f"The registered runs (before any retry) that both [`{cpu_folder}/`]({cpu_folder}/) "
+              f"({devices_text(cpu)}) and [`{gpu_folder}/`]({gpu_folder}/) ({devices_text(gpu)}) hold: the same "
+              "model, initialisation, "
               "batches, seed and learning rate; the arithmetic differs (another device, and the journals' summaries "
               "name their releases and whether the steps ran compiled), so whether a run leaves the plateau can "
               "differ where its training is near the edge.", ""]
@@ -172,7 +182,7 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
     lines = [
         "# Issue 38: the papers' claims judged where every architecture learns key matching", "",
         "Written by `python examples/research/report_v2.py` from the journals of `compare.py` ("
-        + "; ".join(f"{label}: [`{folder}/`]({folder}/), run on {devices_text(read_journal(results / folder / 'jobs.jsonl'))}"
+        + "; ".join(f"{label}: [`{folder}/`]({folder}/), run on {devices_text(states[folder][0])}"
                     for _, folder, label in NEEDLE_STUDIES)
         + "; language modelling: " + ", ".join(f"`{folder}/` ({device})" for folder, device in LM_STUDIES) + "). Task, "
         "rules, learning rates and the plateau extension and retry: the summaries and `examples/research/README.md`. "
@@ -180,19 +190,21 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
         "every seed and learned key matching (left the 1/N plateau) on at least 4 of 5; *pending* cells wait for runs "
         "still to come.", "",
         "## Who learns key matching", "",
-        "| architecture | " + " | ".join(f"{label}: learned (r: retried seeds)" for _, _, label in NEEDLE_STUDIES) + " |",
+        "| architecture | "
+        + " | ".join(f"{label}: learned (r: retried seeds)" for _, _, label in NEEDLE_STUDIES) + " |",
         "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |",
     ]
     for kind in COMPARISON:
         cells = []
         for _, folder, _ in NEEDLE_STUDIES:
-            by_kind, _, settings = states[folder]
+            _, by_kind, _, settings = states[folder]
             runs = by_kind[kind]
             retried = sum(r["retried"] for r in runs)
-            cells.append(f"{sum(learned(r, settings) for r in runs)}/{len(runs)} run" + (f" ({retried} r)" if retried else ""))
+            cells.append(f"{sum(learned(r, settings) for r in runs)}/{len(runs)} run"
+                         + (f" ({retried} r)" if retried else ""))
         lines.append(f"| {name(kind)} | " + " | ".join(cells) + " |")
     for _, folder, label in NEEDLE_STUDIES:
-        by_kind, _, settings = states[folder]
+        _, by_kind, _, settings = states[folder]
         transformer = by_kind["transformer"]
         two = min(n for n in settings.needle_counts if n >= 2)
         if len(transformer) == len(settings.seeds):
@@ -200,11 +212,10 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
             lines += ["", f"{label[0].upper() + label[1:]}: the Transformer's {two}-needle accuracy at the trained "
                       f"length {ci_text(accuracy, settings)} (the sign that the task is learnable here: at least 0.9)."]
     lines += ["", "## Budget curves of the architectures that do not learn", "",
-              "Best validation loss by 1000 / 3000 / 6000 steps (`-`: the run stopped earlier), per seed, the registered "
-              "run and its plateau retry at half the rate; learned means below the threshold.", ""]
+              f"Best validation loss by {budget_text(BUDGET_STEPS)} steps (`-`: the run stopped earlier), per seed, "
+              "the registered run and its plateau retry at half the rate; learned means below the threshold.", ""]
     for hidden, folder, label in NEEDLE_STUDIES:
-        by_kind, _, settings = states[folder]
-        records = read_journal(results / folder / "jobs.jsonl")
+        records, by_kind, _, settings = states[folder]
         threshold = settings.plateau_fraction * plateau_loss(settings)
         for kind in COMPARISON:
             runs = by_kind[kind]
@@ -218,13 +229,14 @@ def write_report(out: Path, results: Path = RESULTS) -> str:
                     f"{r['phase']} lr {r['lr']:g}: {budget_curve(r, settings)}" for r in entries))
     long_section(lines, results)
     for number, claim, pairs in CLAIMS:
-        lines += ["", f"## Claim {number}: {claim}", "", "| pair (A beats B) | " + " | ".join(
-            label for _, _, label in NEEDLE_STUDIES) + " |", "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |"]
+        lines += ["", f"## Claim {number}: {claim}", "",
+                  "| pair (A beats B) | " + " | ".join(label for _, _, label in NEEDLE_STUDIES) + " |",
+                  "| --- | " + " | ".join("---" for _ in NEEDLE_STUDIES) + " |"]
         for a, b in pairs:
             lines.append(f"| {name(a)} vs {name(b)} | "
-                         + " | ".join(states[folder][1][a, b] for _, folder, _ in NEEDLE_STUDIES) + " |")
+                         + " | ".join(states[folder][2][a, b] for _, folder, _ in NEEDLE_STUDIES) + " |")
     lines += [""]
-    device_section(lines, results)
+    device_section(lines, states)
     lm_section(lines, results)
     lines += [
         "## Why the head norm stops small models", "",
