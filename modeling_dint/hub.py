@@ -29,6 +29,7 @@ REMOTE_CODE_FILES = (
     "cache_dint.py",
     "integral_dint.py",
     "integral_cpu_kernel.py",
+    "integral_triton_kernel.py",
     "transformers_compat.py",
 )
 """The modeling code `save_pretrained` copies beside the weights: the configuration and modeling modules and the

@@ -22,6 +22,7 @@ This file travels with the remote code (`save_pretrained`): it imports nothing b
 """
 
 import functools
+import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -29,6 +30,8 @@ from torch import nn
 
 from .cache_dint import COLUMN_SUMS, QUERY_COUNT, SIGNAL_SUM, DintDynamicLayer, DintIntegralStateMixin, DintStaticLayer
 from .integral_cpu_kernel import DOCUMENT_START, KERNEL_DTYPES, ROW_VALID, integral_kernel
+from .integral_triton_kernel import TRITON_DTYPES, triton_available, triton_integral
+from .integral_triton_kernel import runs_on as triton_kernel_runs_on
 from .transformers_compat import HAS_GET_RECURRENT_STATE, build_dint_cache_layers, get_recurrent_state
 
 
@@ -560,11 +563,54 @@ def carried_state(cache, layer_idx: int, state_idx: int) -> torch.Tensor | None:
 
 
 def kernel_head_norm(head_norm: nn.Module) -> tuple:
-    """The fused kernel's head-norm arguments `(weight, normalize, eps)` for `head_norm` (torch's `nn.RMSNorm` over the
+    """The fused kernels' head-norm arguments `(weight, normalize, eps)` for `head_norm` (torch's `nn.RMSNorm` over the
     channels, or `nn.Identity`: no norm): torch's RMSNorm default eps where the module has none."""
     normalize = isinstance(head_norm, nn.RMSNorm)
     eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
     return (head_norm.weight if normalize else None), normalize, eps
+
+
+INTEGRAL_KERNEL_VARIABLE = "DINT_INTEGRAL_KERNEL"
+EAGER, CPU_KERNEL, TRITON_KERNEL = "eager", "cpu", "triton"
+INTEGRAL_KERNEL_CHOICES = ("auto", EAGER, TRITON_KERNEL)
+"""The values of `DINT_INTEGRAL_KERNEL`: "auto" (unset: by device, `DintIntegral.kernel_for`), "eager" (the eager ops
+everywhere: the reference) or "triton" (the Triton kernel wherever it can compute a call, CPU tensors under
+`TRITON_INTERPRET=1` included: how machines without a GPU test it)."""
+
+
+def requested_integral_kernel() -> str:
+    """`DINT_INTEGRAL_KERNEL`, read at every call (a test or benchmark may change it between calls)."""
+    requested = os.environ.get(INTEGRAL_KERNEL_VARIABLE) or "auto"
+    if requested not in INTEGRAL_KERNEL_CHOICES:
+        raise ValueError(
+            f"{INTEGRAL_KERNEL_VARIABLE}={requested!r} is not one of {', '.join(INTEGRAL_KERNEL_CHOICES)} "
+            "(unset: auto)."
+        )
+    return requested
+
+
+def fusable_call(signal_output, noise_output, lambda_, head_norm: nn.Module) -> bool:
+    """What every fused kernel needs of a call (arguments as `DintIntegral.__call__`'s): eager (not compiling or
+    exporting: the compiler fuses the eager ops itself), plain tensors of one dtype with contiguous channels, an fp32
+    lambda, and a head norm that is torch's RMSNorm over the channels (or none) with no hooks to run (a kernel does not
+    call the module) and its weight beside the outputs (not offloaded)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(signal_output) is not torch.Tensor
+        or noise_output.dtype != signal_output.dtype
+        or signal_output.stride(-1) != 1
+        or noise_output.stride(-1) != 1
+        or lambda_.dtype != torch.float32
+    ):
+        return False
+    if not isinstance(head_norm, nn.Identity) and not (
+        isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
+    ):
+        return False
+    if head_norm._forward_hooks or head_norm._forward_pre_hooks:
+        return False
+    weight = getattr(head_norm, "weight", None)
+    return weight is None or weight.device == signal_output.device
 
 
 class DintIntegral:
@@ -606,7 +652,10 @@ class DintIntegral:
         if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
             combined = signal_output - lambda_ * noise_output
             return combined if head_norm is None else head_norm(combined).to(signal_output.dtype)
-        if head_norm is not None and self.takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
+        kernel = self.kernel_for(signal_output, noise_output, lambda_, layout, cache, head_norm)
+        if kernel == TRITON_KERNEL:
+            return self._triton_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm)
+        if kernel == CPU_KERNEL:
             return self._cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm)
         output_dtype = signal_output.dtype
         # The sums and the combination are fp32: both outputs cast once here (a no-op in fp32). An op with bf16 and fp32
@@ -623,40 +672,49 @@ class DintIntegral:
         )
         return combined if head_norm is None else head_norm(combined).to(output_dtype)
 
-    def takes_cpu_kernel(
-        self,
-        signal_output: torch.Tensor,
-        noise_output: torch.Tensor,
-        lambda_: torch.Tensor,
-        layout: DintIntegralLayout,
-        cache,
-        head_norm: nn.Module,
-    ) -> bool:
-        """Whether `integral_cpu_kernel` computes this call (arguments as `__call__`'s): on CPU, fp32 or bf16 outputs
-        with contiguous channels and an fp32 lambda, no gradient wanted, eager (not compiling or exporting), the head
-        norm torch's RMSNorm over the channels (or none) with no hooks to run, and nobody needing the running sum of
-        every row: a cache stores the state after the last row, or (packed requests: continuous batching, vLLM) has
-        `integral_state_table`, the rows where each request reads and stores its state in a table."""
+    def kernel_for(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> str:
+        """Which implementation computes a call of the fast path (arguments as `__call__`'s), decided here only:
+
+        - `"triton"` (`integral_triton_kernel`, forward and backward): CUDA tensors where Triton is importable, fp32,
+          bf16 or fp16; with `DINT_INTEGRAL_KERNEL=triton` also CPU tensors, under Triton's interpreter;
+        - `"cpu"` (`integral_cpu_kernel`, no gradient): CPU tensors, fp32 or bf16, no gradient wanted, where the C++ op
+          builds (`takes_cpu_kernel`);
+        - `"eager"`, the ops of `__call__` and the kernels' reference, everywhere else: `DINT_INTEGRAL_KERNEL=eager`,
+          while compiling or exporting, a caller that normalizes itself (no `head_norm`), what `fusable_call` refuses,
+          and on a GPU requests packed into one row (continuous batching).
+        """
+        requested = requested_integral_kernel()
+        if requested == EAGER or head_norm is None or not fusable_call(signal_output, noise_output, lambda_, head_norm):
+            return EAGER
+        device = signal_output.device
+        if requested == TRITON_KERNEL or device.type == "cuda":
+            if layout.carry_per_row or signal_output.dtype not in TRITON_DTYPES:
+                return EAGER
+            if triton_kernel_runs_on(device):
+                return TRITON_KERNEL
+            if requested == TRITON_KERNEL:
+                raise RuntimeError(
+                    f"{INTEGRAL_KERNEL_VARIABLE}=triton, but Triton cannot run on {device.type} tensors here: "
+                    + ("it is not installed." if not triton_available() else "CPU tensors need TRITON_INTERPRET=1, "
+                       "set before Triton is imported (its interpreter).")
+                )
+            return EAGER
+        if self.takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
+            return CPU_KERNEL
+        return EAGER
+
+    def takes_cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
+        """Whether `integral_cpu_kernel` can compute this call (arguments as `__call__`'s): on CPU, what `fusable_call`
+        asks, fp32 or bf16 outputs, no gradient wanted, and nobody needing the running sum of every row: a cache stores
+        the state after the last row, or (packed requests: continuous batching, vLLM) has `integral_state_table`, the
+        rows where each request reads and stores its state in a table."""
         if (
             signal_output.device.type != "cpu"
             or signal_output.dtype not in KERNEL_DTYPES
-            or noise_output.dtype != signal_output.dtype
-            or type(signal_output) is not torch.Tensor
-            or signal_output.stride(-1) != 1
-            or noise_output.stride(-1) != 1
-            or lambda_.dtype != torch.float32
-            or torch.compiler.is_compiling()
+            or not fusable_call(signal_output, noise_output, lambda_, head_norm)
         ):
-            return False
-        if not isinstance(head_norm, nn.Identity) and not (
-            isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
-        ):
-            return False
-        if head_norm._forward_hooks or head_norm._forward_pre_hooks:  # the kernel does not call the module
             return False
         weight = getattr(head_norm, "weight", None)
-        if weight is not None and weight.device.type != "cpu":  # e.g. offloaded (meta) until its module's hook runs
-            return False
         if torch.is_grad_enabled() and any(
             tensor is not None and tensor.requires_grad for tensor in (signal_output, noise_output, lambda_, weight)
         ):
@@ -668,15 +726,7 @@ class DintIntegral:
             return False
         return integral_kernel() is not None
 
-    def _cpu_kernel(
-        self,
-        signal_output: torch.Tensor,
-        noise_output: torch.Tensor,
-        lambda_: torch.Tensor,
-        layout: DintIntegralLayout,
-        cache,
-        head_norm: nn.Module,
-    ) -> torch.Tensor:
+    def _cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> torch.Tensor:
         """`integral_cpu_kernel`'s one pass (arguments as `__call__`'s): the normalized combination `[B, T, heads, C]`
         in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache, or, for packed requests,
         each request's sums in the cache's table in place (`integral_state_table`)."""
@@ -697,6 +747,24 @@ class DintIntegral:
         )
         if cache is not None:
             cache.update_recurrent_state(last_signal_sum, self.layer_idx, state_idx=SIGNAL_SUM)
+        return output
+
+    def _triton_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> torch.Tensor:
+        """`integral_triton_kernel` (arguments as `__call__`'s): the normalized combination `[B, T, heads, C]` in O1's
+        dtype, through autograd where a gradient is wanted; stores the sum after the last row `[B, heads, C]` (fp32)
+        in the cache, and after every row where the cache records its past (`crop`)."""
+        batch_size, query_length = signal_output.shape[:2]
+        carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
+        recording = cache is not None and records_running_rows(cache, self.layer_idx)
+        output, last_signal_sum, running_signal_sum = triton_integral(
+            signal_output, noise_output, lambda_, layout.inverse_query_count[:, :, 0, 0],
+            layout.row_flags(batch_size, query_length, signal_output.device), carry, *kernel_head_norm(head_norm),
+            store_running=recording,
+        )
+        if cache is not None:
+            cache.update_recurrent_state(
+                last_signal_sum, self.layer_idx, state_idx=SIGNAL_SUM, running_rows=running_signal_sum
+            )
         return output
 
     def packed_requests_kernel(

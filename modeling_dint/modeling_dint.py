@@ -45,25 +45,15 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-# The cache layers and the CPU kernel, imported here although the integral uses them: transformers 5.5 copies only the
+# The cache layers and the kernels, imported here although the integral uses them: transformers 5.5 copies only the
 # direct relative imports of the modeling file into a remote-code module (and the layers must register at load).
 from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401
 from .integral_cpu_kernel import integral_kernel  # noqa: F401
-from .configuration_dint import (
-    DINT_LAYER_TYPE,
-    MATERIALIZING,
-    ONE_PASS,
-    DintConfig,
-    attention_path,
-    uses_materializing_path,
-)
-from .integral_dint import (
-    DintIntegral,
-    DintIntegralLayout,
-    check_dint_cache,
-    forward_integral_layout,
-    valid_query_rows,
-)
+from .integral_triton_kernel import triton_integral  # noqa: F401
+from .configuration_dint import DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
+from .configuration_dint import uses_materializing_path
+from .integral_dint import DintIntegral, DintIntegralLayout, check_dint_cache, forward_integral_layout
+from .integral_dint import valid_query_rows
 
 
 class DintRMSNorm(LlamaRMSNorm):
