@@ -46,23 +46,30 @@ def ensure_venv(path: str, torch_requirement: str, requirements: list[str]) -> s
     return python
 
 
-def newest_torch() -> str:
-    """The newest torch release pip installs here (its configuration's constraints included), e.g. "2.14.1"."""
+def newest_release(package: str, index: str | None = None) -> str:
+    """The newest release of `package` pip installs here (its configuration's constraints included), e.g. "2.14.1"
+    for torch (from PyTorch's CPU index too)."""
     result = run([sys.executable, *PIP_INSTALL, "--dry-run", "--no-deps", "--ignore-installed", "--report", "-",
-                  "--extra-index-url", TORCH_CPU_INDEX, "torch"])
+                  *(["--extra-index-url", index] if index else []), package])
     if result.returncode != 0:
-        raise RuntimeError(f"pip could not resolve torch:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"pip could not resolve {package}:\n{result.stderr[-3000:]}")
     import json
 
     report = json.loads(result.stdout)
     return report["install"][0]["metadata"]["version"].split("+")[0]
 
 
-def pytest_summary(python: str, test_args: list[str]) -> tuple[str, float, bool]:
-    """Runs pytest with `test_args` in the repository; returns its summary line ('188 passed, 4 skipped'), the
-    seconds it took and whether it passed."""
+def newest_torch() -> str:
+    """The newest torch release pip installs here, e.g. "2.14.1"."""
+    return newest_release("torch", TORCH_CPU_INDEX)
+
+
+def pytest_summary(python: str, test_args: list[str], environment: dict | None = None) -> tuple[str, float, bool]:
+    """Runs pytest with `test_args` in the repository (with `environment`'s variables set); returns its summary line
+    ('188 passed, 4 skipped'), the seconds it took and whether it passed."""
     started = time.time()
-    result = run([python, "-m", "pytest", *test_args, "-q", "-p", "no:cacheprovider"], cwd=REPO_ROOT)
+    result = run([python, "-m", "pytest", *test_args, "-q", "-p", "no:cacheprovider"], cwd=REPO_ROOT,
+                 env={**os.environ, **environment} if environment else None)
     seconds = time.time() - started
     lines = result.stdout.strip().splitlines()
     summary = lines[-1] if lines else result.stderr[-500:]

@@ -11,11 +11,12 @@ The four models (names used in every result file):
 - `llama`:      transformers' `LlamaForCausalLM`, same backend, same number of softmax maps and head_dim.
 - `dint_v2`:    `DintForCausalLM(differential_attention="v2")` (docs/design.md section 10): the same softmax maps as
   query heads (2h of head_dim), the same KV heads (which must divide h), one attention call over Llama's KV cache.
+- `diff_v2`:    `dint_v2` with `integral="none"`: DIFF V2 itself, the same weights (what the integral costs on v2).
 
 Weights: `dint_fast` is initialized from a seed; `dint_eager` loads its state dict; DiffLlama loads every tensor but the
 head-norm weights (its group norm has none); Llama loads every tensor whose name and shape it shares (all but the
-lambda vectors and head norms); `dint_v2` loads every tensor Llama loads but o_proj (h*head_dim wide), and its o_proj
-and lambda_proj come from the same seed.
+lambda vectors and head norms); `dint_v2` and `diff_v2` load every tensor Llama loads but o_proj (h*head_dim wide),
+and their o_proj and lambda_proj come from the same seed.
 """
 
 import gc
@@ -32,7 +33,8 @@ from torch import nn
 from modeling_dint.transformers_compat import CACHE_ARGUMENT  # `cache` from transformers 5.24, `past_key_values` before
 
 
-MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama", "dint_v2")
+MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama", "dint_v2", "diff_v2")
+V2_MODEL_NAMES = ("dint_v2", "diff_v2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -136,7 +138,7 @@ def build_models(
         shared[key] = converted[cache_key]
     buffers = {key: buffer.to(device) for key, buffer in reference.named_buffers()}
     v2_shared = shared
-    if any(name == "dint_v2" for name, _ in models.values()):
+    if any(name in V2_MODEL_NAMES for name, _ in models.values()):
         # v2's own tensors (o_proj from h*head_dim, lambda_proj), from the same seed
         torch.manual_seed(seed + 1)
         v2_reference = DintForCausalLM(DintConfig(**size_kwargs, differential_attention="v2"))
@@ -153,6 +155,7 @@ def build_models(
         "diffllama": (DiffLlamaForCausalLM, DiffLlamaConfig, ("head_norm",)),
         "llama": (LlamaForCausalLM, LlamaConfig, ("head_norm", "lambda_")),
         "dint_v2": (DintForCausalLM, DintConfig, ("head_norm", "lambda_", "o_proj")),
+        "diff_v2": (DintForCausalLM, DintConfig, ("head_norm", "lambda_", "o_proj")),
     }
     built = {}
     for label, (name, attn) in models.items():
@@ -160,10 +163,12 @@ def build_models(
             raise ValueError(f"model name {name!r} is not one of {MODEL_NAMES}")
         model_class, config_class, allowed_left_out = classes[name]
         implementation = "eager" if name == "dint_eager" else attn
-        fields = {**size_kwargs, "differential_attention": "v2"} if name == "dint_v2" else size_kwargs
+        fields = size_kwargs
+        if name in V2_MODEL_NAMES:
+            fields = {**size_kwargs, "differential_attention": "v2", "integral": "mean" if name == "dint_v2" else "none"}
         with torch.device("meta"):
             model = model_class._from_config(config_class(**fields), attn_implementation=implementation)
-        _load_shared_tensors(model, v2_shared if name == "dint_v2" else shared, buffers, allowed_left_out)
+        _load_shared_tensors(model, v2_shared if name in V2_MODEL_NAMES else shared, buffers, allowed_left_out)
         if name == "diffllama" and dtype != torch.float32:
             # DiffLlama keeps no tensor in fp32 (from_pretrained(dtype=...) casts its lambda vectors too).
             for module in model.modules():

@@ -18,6 +18,7 @@ MODEL_LABELS = {
     "diffllama": "DiffLlama",
     "llama": "Llama",
     "dint_v2": "DINT-V2",
+    "diff_v2": "DIFF-V2",
 }
 MODEL_STYLES = {
     "dint_fast": {"color": "tab:red", "marker": "o"},
@@ -25,6 +26,7 @@ MODEL_STYLES = {
     "diffllama": {"color": "tab:blue", "marker": "^"},
     "llama": {"color": "tab:gray", "marker": "v"},
     "dint_v2": {"color": "tab:purple", "marker": "D"},
+    "diff_v2": {"color": "tab:green", "marker": "P"},
 }
 RATIO_TARGET = 1.05
 TARGET_FROM_LENGTH = 2048

@@ -683,8 +683,10 @@ class DintIntegral:
           while compiling or exporting, a caller that normalizes itself (no `head_norm`), what `fusable_call` refuses,
           and on a GPU requests packed into one row (continuous batching).
         """
+        if torch.compiler.is_compiling() or head_norm is None:  # (before the environment: a compiler would trace it)
+            return EAGER
         requested = requested_integral_kernel()
-        if requested == EAGER or head_norm is None or not fusable_call(signal_output, noise_output, lambda_, head_norm):
+        if requested == EAGER or not fusable_call(signal_output, noise_output, lambda_, head_norm):
             return EAGER
         device = signal_output.device
         if requested == TRITON_KERNEL or device.type == "cuda":

@@ -1,5 +1,6 @@
-"""GPU paths (bf16, long context, cached generation on CUDA), on both head layouts (DIFF V1's and V2's). Skipped where
-no CUDA device exists: CI has none; run `python -m pytest tests/test_gpu.py` on a GPU machine."""
+"""GPU paths (bf16, long context, cached generation on CUDA, the Triton integral kernel in training, compiled decoding
+with CUDA graphs), on both head layouts (DIFF V1's and V2's). Skipped where no CUDA device exists: CI has none; run
+`python -m pytest tests/test_gpu.py` on a GPU machine (`bench/gpu_bf16.py` runs it first)."""
 
 import pytest
 import torch
@@ -58,3 +59,60 @@ def test_cached_generation_on_cuda_matches_recomputation(integral, differential_
     assert torch.equal(cached, uncached)
     static = model.generate(input_ids.cuda(), cache_implementation="static", **kwargs)
     assert torch.equal(static, uncached)
+
+
+@cuda
+@layouts
+def test_the_triton_kernel_trains_a_bf16_model_as_the_eager_ops(differential_attention, monkeypatch):
+    """On CUDA the integral runs as the Triton kernel (counted): a left-padded bf16 batch of 2048 tokens with a packed
+    second document gives the eager integral's logits, loss and gradients within bf16's rounding."""
+    import modeling_dint.integral_triton_kernel as triton_kernel
+
+    calls = []
+    forward = triton_kernel.integral_forward
+    monkeypatch.setattr(triton_kernel, "integral_forward", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    input_ids, attention_mask = left_padded_batch(lengths=(2048, 1500))
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids[1, 1200:] -= position_ids[1, 1200].clone()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+
+    def step():
+        model = tiny_model(dtype=torch.bfloat16, differential_attention=differential_attention).cuda().train()
+        output = model(input_ids.cuda(), attention_mask=attention_mask.cuda(), position_ids=position_ids.cuda(),
+                       labels=labels.cuda())
+        output.loss.backward()
+        return output.logits.float(), output.loss.float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    actual = step()
+    assert len(calls) == 2
+    monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
+    expected = step()
+    valid = attention_mask.bool().cuda()
+    assert (actual[0] - expected[0])[valid].abs().max().item() < 0.1
+    assert abs(actual[1].item() - expected[1].item()) < 1e-2
+    for name, gradient in expected[2].items():
+        scale = gradient.abs().max().item() + 1e-3
+        assert (actual[2][name] - gradient).abs().max().item() < 0.05 * scale, name
+
+
+@cuda
+@layouts
+def test_compiled_static_decode_uses_cuda_graphs_and_gives_the_eager_tokens(differential_attention):
+    """`cache_implementation="static"` with the decode step compiled in CUDA-graph mode ("reduce-overhead"): the tokens
+    of eager generation with a dynamic cache, one graph, and no step that skipped CUDA graphs."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    model = tiny_model("sdpa", differential_attention=differential_attention).cuda()  # fp32: the same tokens
+    input_ids, attention_mask = left_padded_batch(lengths=(40, 23))
+    kwargs = dict(attention_mask=attention_mask.cuda(), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    eager = model.generate(input_ids.cuda(), **kwargs)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(
+        input_ids.cuda(), cache_implementation="static",
+        compile_config=CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead"), **kwargs,
+    )
+    assert torch.equal(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0

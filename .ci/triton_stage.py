@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""The Triton integral kernel on a machine without a GPU, under Triton's interpreter (`TRITON_INTERPRET=1`), in
+virtualenvs of their own (`venvs.py`, cached in `$DINT_MATRIX_DIR`, default `~/.cache/dint-matrix`): prints a table
+triton -> tests, and fails if a row fails.
+
+    python .ci/triton_stage.py
+
+- the Triton of the lent GPUs' image (`DEVICE_TRITON`, with numpy < 2.3: its interpreter turns one-element arrays
+  into Python integers in a way numpy 2.4 refuses): the kernel's tests against the eager ops;
+- the newest Triton (with the newest numpy): the kernel's tests, then `MODEL_TESTS` with `DINT_INTEGRAL_KERNEL=triton`,
+  so that every forward, backward and cached generation of a whole model runs through the kernel (the CPU C++ kernel
+  of the default suite steps aside for it; continuous batching, which the Triton kernel does not take, runs its eager
+  ops).
+
+Both with torch 2.13.0, the package's `test` extra and the newest transformers.
+"""
+
+import os
+import sys
+
+from venvs import REPO_ROOT, ensure_venv, newest_release, pytest_summary, run
+
+
+DEVICE_TRITON = "3.6.0"
+"""The Triton of the lent GPU machines' image (torch 2.11 with CUDA 13)."""
+KERNEL_TESTS = ("tests/test_integral_triton_kernel.py",)
+MODEL_TESTS = (
+    "tests/test_generation.py",
+    "tests/test_padding.py",
+    "tests/test_packing.py",
+    "tests/test_v2.py",
+    "tests/test_finetuning.py",
+)
+INTERPRETER = {"TRITON_INTERPRET": "1"}
+
+
+def triton_venv(venv_dir: str, release: str, numpy_requirement: str) -> str:
+    return ensure_venv(os.path.join(venv_dir, f"triton-{release}"), "torch==2.13.0",
+                       ["-e", f"{REPO_ROOT}[test]", f"triton=={release}", numpy_requirement])
+
+
+def row(python: str, tests: tuple[str, ...], environment: dict) -> tuple[list[str], bool]:
+    versions = run([python, "-c", "import triton, numpy, transformers; "
+                    "print(triton.__version__, numpy.__version__, transformers.__version__)"])
+    triton_version, numpy_version, transformers_version = (
+        versions.stdout.split() if versions.returncode == 0 else ("?", "?", "?")
+    )
+    summary, seconds, passed = pytest_summary(python, list(tests), environment)
+    variables = " ".join(f"{key}={value}" for key, value in environment.items())
+    cells = [triton_version, numpy_version, transformers_version, f"`{variables}` {' '.join(tests)}",
+             summary if passed else f"FAIL: {summary}", f"{seconds:.0f} s"]
+    return cells, passed
+
+
+def main() -> int:
+    venv_dir = os.environ.get("DINT_MATRIX_DIR", os.path.expanduser("~/.cache/dint-matrix"))
+    newest = newest_release("triton")
+    all_passed = True
+    plan = [
+        (triton_venv(venv_dir, DEVICE_TRITON, "numpy<2.3"), KERNEL_TESTS, INTERPRETER),
+        (triton_venv(venv_dir, newest, "numpy"), KERNEL_TESTS, INTERPRETER),
+        (triton_venv(venv_dir, newest, "numpy"), MODEL_TESTS, {**INTERPRETER, "DINT_INTEGRAL_KERNEL": "triton"}),
+    ]
+    print("| triton | numpy | transformers | tests | result | time |\n| --- | --- | --- | --- | --- | --- |", flush=True)
+    for python, tests, environment in plan:
+        cells, passed = row(python, tests, environment)
+        all_passed &= passed
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return 0 if all_passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
