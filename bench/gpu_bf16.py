@@ -15,12 +15,14 @@ The models (random weights, bf16, sdpa, `--layers` each, vocab 32000; nothing is
 Stages, in order; each rewrites `results.json` and `results.md` when it ends (a run stopped by its limit keeps what
 it measured), and one that would pass `--budget` seconds is skipped and says so:
 1. `tests`: `tests/test_gpu.py` and the Triton kernel's tests (`GPU_KERNEL_TESTS`), on CUDA;
-2. `train`: a training step (LM loss, forward and backward) at `TRAIN_LENGTHS` tokens: time, tokens/s, peak memory;
-3. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
-4. `decode`: per decoded token with the dynamic cache after prompts of `DECODE_PROMPTS` tokens (eager), and the
+2. `integral`: `DintIntegral` alone per call, the Triton kernel against the eager ops: a decoding step's launch cost
+   (one row, batch 1 and 8) and 4096 rows forward and with backward, at both layouts' shapes;
+3. `train`: a training step (LM loss, forward and backward) at `TRAIN_LENGTHS` tokens: time, tokens/s, peak memory;
+4. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
+5. `decode`: per decoded token with the dynamic cache after prompts of `DECODE_PROMPTS` tokens (eager), and the
    integral state's bytes per layer;
-5. `batched_generate`: `generate()` of a batch of 8 prompts of 128 tokens, 32 new tokens (eager);
-6. `compiled_decode`: per token with a static cache and `torch.compile` in CUDA-graph mode ("reduce-overhead"), the
+6. `batched_generate`: `generate()` of a batch of 8 prompts of 128 tokens, 32 new tokens (eager);
+7. `compiled_decode`: per token with a static cache and `torch.compile` in CUDA-graph mode ("reduce-overhead"), the
    pairs of the targets first (compiling is most of its time).
 
 Timing: after a warm-up step per model, `--rounds` rounds in which the models of a group run one after the other
@@ -79,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=16, help="decoded tokens timed per round")
     parser.add_argument("--budget", type=float, default=470.0, help="seconds for the whole run (stages past it skip)")
-    parser.add_argument("--stages", default="tests,train,prefill,decode,batched_generate,compiled_decode")
+    parser.add_argument("--stages", default="tests,integral,train,prefill,decode,batched_generate,compiled_decode")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and lengths: the code paths, not timings")
     parser.add_argument("--output-dir", default=os.path.join("runs", "gpu_bf16"))
     args = parser.parse_args(argv)
@@ -316,6 +318,54 @@ def compiled_decode(models, args, pairs, deadline, result) -> None:
         )
 
 
+def integral_calls(args) -> dict:
+    """The integral alone, per call (`DintIntegral.__call__`), the Triton kernel against the eager ops, at a decoding
+    step (batch 1 and 8, one row: what a launch costs) and at 4096 rows (forward, and forward with backward), both
+    layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda per row):
+    `{case: {kernel: [seconds per call, per round]}}`."""
+    from torch import nn
+
+    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout
+
+    heads, channels = (2, 16) if args.smoke else (16, 128)
+    integral = DintIntegral("mean", layer_idx=0)
+    calls = {}
+    for layout_name in ("v1", "v2"):
+        for batch_size, rows, backward in ((1, 1, False), (8, 1, False), (1, 4096, False), (1, 4096, True)):
+            rows = min(rows, 64) if args.smoke else rows
+            attention_output = torch.randn(batch_size, rows, 2 * heads, channels, device=args.device,
+                                           dtype=torch.bfloat16, requires_grad=backward)
+            if layout_name == "v1":
+                signal, noise = attention_output.chunk(2, dim=2)
+                lambda_ = torch.tensor(0.5, device=args.device, requires_grad=backward)
+                head_norm = nn.RMSNorm(channels, eps=1e-5, device=args.device)
+            else:
+                signal, noise = attention_output[:, :, 0::2], attention_output[:, :, 1::2]
+                lambda_ = torch.rand(batch_size, rows, heads, 1, device=args.device, requires_grad=backward)
+                head_norm = nn.Identity()
+            layout = DintIntegralLayout.build(None, None, None, batch_size, rows, torch.device(args.device))
+            layout.row_flags(batch_size, rows, torch.device(args.device))
+
+            def call():
+                with torch.set_grad_enabled(backward):
+                    output = integral(signal, noise, lambda_, layout, None, head_norm)
+                    if backward:
+                        output.float().sum().backward()
+
+            repeat = 3 if args.smoke else (200 if rows == 1 else 20)
+            case = f"{layout_name} B={batch_size} T={rows}{' +backward' if backward else ''}"
+            calls[case] = {}
+            for kernel in ("triton", "eager"):
+                os.environ["DINT_INTEGRAL_KERNEL"] = kernel if args.device.startswith("cuda") else "eager"
+                try:
+                    call()
+                    samples = [timed(args.device, lambda: [call() for _ in range(repeat)]) / repeat for _ in range(3)]
+                finally:
+                    os.environ.pop("DINT_INTEGRAL_KERNEL", None)
+                calls[case][kernel] = samples
+    return calls
+
+
 def run_tests(args, seconds: float) -> dict:
     """The GPU tests in a subprocess, stopped after `seconds` (what it printed by then is kept)."""
     command = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "tests/test_integral_triton_kernel.py", "-q",
@@ -389,6 +439,12 @@ def markdown(result: dict, args) -> str:
         lines.append(f"| integral state per layer constant in the length | - | "
                      + "; ".join(f"{name} {prompt}: {sorted(set(values))}" for name, by_prompt in state.items()
                                  for prompt, values in by_prompt.items() if name.startswith("dint")) + " | |")
+    if result.get("integral_calls"):
+        lines += ["", "## integral", "", "`DintIntegral` alone, microseconds per call (median of 3 rounds)", "",
+                  "| case | Triton kernel | eager ops | kernel / eager |", "| --- | --- | --- | --- |"]
+        for case, by_kernel in result["integral_calls"].items():
+            triton_us, eager_us = (statistics.median(by_kernel[kernel]) * 1e6 for kernel in ("triton", "eager"))
+            lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} |")
     for stage in ("train", "prefill", "decode", "batched_generate", "compiled_decode"):
         entry = result.get(stage)
         if not entry:
@@ -423,6 +479,9 @@ def main(argv=None) -> None:
     if "tests" in stages and args.device.startswith("cuda"):
         result["tests"] = run_tests(args, seconds=min(240.0, args.budget / 2))
         print(result["tests"]["summary"], flush=True)
+        write(result, args)
+    if "integral" in stages:
+        result["integral_calls"] = integral_calls(args)
         write(result, args)
     kernel_calls = KernelCalls()
     models = build_models(args, V1_GROUP + V2_GROUP)
