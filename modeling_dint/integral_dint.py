@@ -102,8 +102,10 @@ class DintIntegralLayout:
             document, the cache's count included.
         inverse_query_count (`torch.Tensor` of shape `[B, T, 1, 1]`, fp32, broadcastable against the fast path's
             `[B, T, H/2, 2d]`): `1 / max(c_n, 1)` (a document with no valid row yet has G = 0).
-        kernel_row_flags (`torch.Tensor` of shape `[B, T]`, uint8, or None until `row_flags` builds it): the CPU
-            kernel's per-row flags, built by the first layer that needs them and kept for the others.
+        kernel_row_flags (`torch.Tensor` of shape `[B, T]`, uint8, or None until `row_flags` builds it): the fused
+            kernels' per-row flags, built by the first layer that needs them and kept for the others.
+        kernel_inverse_count (`torch.Tensor` of shape `[B, T]`, fp32, or None until `inverse_count_rows` takes it):
+            `inverse_query_count` as the fused kernels read it.
     """
 
     query_valid: torch.Tensor | None = None
@@ -114,6 +116,7 @@ class DintIntegralLayout:
     running_query_count: torch.Tensor | None = None
     inverse_query_count: torch.Tensor | None = None
     kernel_row_flags: torch.Tensor | None = None
+    kernel_inverse_count: torch.Tensor | None = None
 
     def document_first_rows(self) -> torch.Tensor:
         """`[B, T]` bool: each document's first row in this call (with `in_carried_document`: where the cache's sums
@@ -121,10 +124,18 @@ class DintIntegralLayout:
         return self.restart_row == torch.arange(self.restart_row.shape[-1], device=self.restart_row.device)
 
     def row_flags(self, batch_size: int, query_length: int, device: torch.device) -> torch.Tensor:
-        """The CPU kernel's flags per row, `[B, T]` uint8 (`integral_cpu_kernel.ROW_VALID | DOCUMENT_START`): the rows
+        """The fused kernels' flags per row, `[B, T]` uint8 (`integral_cpu_kernel.ROW_VALID | DOCUMENT_START`): the rows
         that count, and the rows where the running sum restarts before adding (a document's first row; row 0 where the
         cache's sums do not carry; with `carry_per_row`, every request's first row, whose carried sum the kernel reads
         from the cache's table after the restart). Computed on the first layer's call, then kept for the others."""
+        if self.kernel_row_flags is None and query_length == 1 and self.query_valid is None:  # a decoding step
+            if isinstance(self.carry_kept, torch.Tensor):
+                kept = self.carry_kept.to(device).view(-1, 1)
+                flags = torch.where(kept, ROW_VALID, ROW_VALID | DOCUMENT_START).to(torch.uint8)
+            else:
+                value = ROW_VALID if self.carry_kept else ROW_VALID | DOCUMENT_START
+                flags = torch.full((1, 1), value, dtype=torch.uint8, device=device)
+            self.kernel_row_flags = flags.expand(batch_size, 1)
         if self.kernel_row_flags is None:
             if self.restart_row is not None:
                 starts = self.document_first_rows()
@@ -140,6 +151,12 @@ class DintIntegralLayout:
             flags = valid.to(torch.uint8) * ROW_VALID + starts.to(torch.uint8) * DOCUMENT_START
             self.kernel_row_flags = flags
         return self.kernel_row_flags
+
+    def inverse_count_rows(self) -> torch.Tensor:
+        """`1 / c_n` as the fused kernels read it, `[B, T]` fp32: a view of `inverse_query_count`, made once."""
+        if self.kernel_inverse_count is None:
+            self.kernel_inverse_count = self.inverse_query_count[:, :, 0, 0]
+        return self.kernel_inverse_count
 
     @classmethod
     def build(
@@ -562,12 +579,16 @@ def carried_state(cache, layer_idx: int, state_idx: int) -> torch.Tensor | None:
     return get_recurrent_state(cache, layer_idx, state_idx)
 
 
+FP32_EPS = torch.finfo(torch.float32).eps
+"""torch's RMSNorm eps where the module has none (the combination it normalizes is fp32)."""
+
+
 def kernel_head_norm(head_norm: nn.Module) -> tuple:
     """The fused kernels' head-norm arguments `(weight, normalize, eps)` for `head_norm` (torch's `nn.RMSNorm` over the
-    channels, or `nn.Identity`: no norm): torch's RMSNorm default eps where the module has none."""
-    normalize = isinstance(head_norm, nn.RMSNorm)
-    eps = head_norm.eps if normalize and head_norm.eps is not None else torch.finfo(torch.float32).eps
-    return (head_norm.weight if normalize else None), normalize, eps
+    channels, or `nn.Identity`: no norm)."""
+    if not isinstance(head_norm, nn.RMSNorm):
+        return None, False, FP32_EPS
+    return head_norm.weight, True, FP32_EPS if head_norm.eps is None else head_norm.eps
 
 
 INTEGRAL_KERNEL_VARIABLE = "DINT_INTEGRAL_KERNEL"
@@ -595,22 +616,21 @@ def fusable_call(signal_output, noise_output, lambda_, head_norm: nn.Module) -> 
     lambda, and a head norm that is torch's RMSNorm over the channels (or none) with no hooks to run (a kernel does not
     call the module) and its weight beside the outputs (not offloaded)."""
     if (
-        torch.compiler.is_compiling()
-        or type(signal_output) is not torch.Tensor
+        type(signal_output) is not torch.Tensor
         or noise_output.dtype != signal_output.dtype
+        or lambda_.dtype != torch.float32
         or signal_output.stride(-1) != 1
         or noise_output.stride(-1) != 1
-        or lambda_.dtype != torch.float32
+        or head_norm._forward_hooks
+        or head_norm._forward_pre_hooks
+        or torch.compiler.is_compiling()
     ):
         return False
-    if not isinstance(head_norm, nn.Identity) and not (
-        isinstance(head_norm, nn.RMSNorm) and tuple(head_norm.normalized_shape) == (signal_output.shape[-1],)
-    ):
+    if isinstance(head_norm, nn.Identity):
+        return True
+    if not isinstance(head_norm, nn.RMSNorm) or tuple(head_norm.normalized_shape) != (signal_output.shape[-1],):
         return False
-    if head_norm._forward_hooks or head_norm._forward_pre_hooks:
-        return False
-    weight = getattr(head_norm, "weight", None)
-    return weight is None or weight.device == signal_output.device
+    return head_norm.weight is None or head_norm.weight.device == signal_output.device
 
 
 class DintIntegral:
@@ -701,24 +721,28 @@ class DintIntegral:
                        "set before Triton is imported (its interpreter).")
                 )
             return EAGER
-        if self.takes_cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm):
+        if self._cpu_kernel_takes(signal_output, noise_output, lambda_, layout, cache, head_norm):
             return CPU_KERNEL
         return EAGER
 
     def takes_cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
-        """Whether `integral_cpu_kernel` can compute this call (arguments as `__call__`'s): on CPU, what `fusable_call`
-        asks, fp32 or bf16 outputs, no gradient wanted, and nobody needing the running sum of every row: a cache stores
-        the state after the last row, or (packed requests: continuous batching, vLLM) has `integral_state_table`, the
-        rows where each request reads and stores its state in a table."""
-        if (
-            signal_output.device.type != "cpu"
-            or signal_output.dtype not in KERNEL_DTYPES
-            or not fusable_call(signal_output, noise_output, lambda_, head_norm)
-        ):
+        """Whether `integral_cpu_kernel` can compute this call (arguments as `__call__`'s): what `fusable_call` asks,
+        and `_cpu_kernel_takes`."""
+        return fusable_call(signal_output, noise_output, lambda_, head_norm) and self._cpu_kernel_takes(
+            signal_output, noise_output, lambda_, layout, cache, head_norm
+        )
+
+    def _cpu_kernel_takes(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
+        """For a call `fusable_call` accepts: on CPU, fp32 or bf16 outputs, no gradient wanted, and nobody needing the
+        running sum of every row: a cache stores the state after the last row, or (packed requests: continuous
+        batching, vLLM) has `integral_state_table`, the rows where each request reads and stores its state in a
+        table."""
+        if signal_output.device.type != "cpu" or signal_output.dtype not in KERNEL_DTYPES:
             return False
-        weight = getattr(head_norm, "weight", None)
-        if torch.is_grad_enabled() and any(
-            tensor is not None and tensor.requires_grad for tensor in (signal_output, noise_output, lambda_, weight)
+        weight = head_norm.weight if isinstance(head_norm, nn.RMSNorm) else None
+        if torch.is_grad_enabled() and (
+            signal_output.requires_grad or noise_output.requires_grad or lambda_.requires_grad
+            or (weight is not None and weight.requires_grad)
         ):
             return False
         if layout.carry_per_row and cache is not None:
@@ -733,7 +757,7 @@ class DintIntegral:
         in O1's dtype; stores the sum after the last row `[B, heads, C]` (fp32) in the cache, or, for packed requests,
         each request's sums in the cache's table in place (`integral_state_table`)."""
         batch_size, query_length, heads, channels = signal_output.shape
-        inverse_count = layout.inverse_query_count[:, :, 0, 0]
+        inverse_count = layout.inverse_count_rows()
         row_flags = layout.row_flags(batch_size, query_length, signal_output.device)
         if cache is not None and layout.carry_per_row:
             state_table, carry_slot, store_slot = cache.integral_state_table(self.layer_idx)
@@ -742,7 +766,7 @@ class DintIntegral:
                 head_norm,
             )
         carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
-        if carry is not None:
+        if carry is not None and carry.shape[0] != batch_size:
             carry = carry.expand(batch_size, heads, channels)  # a state kept once for the batch broadcasts, as in eager
         output, last_signal_sum = integral_kernel()(
             signal_output, noise_output, lambda_, inverse_count, row_flags, carry, *kernel_head_norm(head_norm)
@@ -759,7 +783,7 @@ class DintIntegral:
         carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
         recording = cache is not None and records_running_rows(cache, self.layer_idx)
         output, last_signal_sum, running_signal_sum = triton_integral(
-            signal_output, noise_output, lambda_, layout.inverse_query_count[:, :, 0, 0],
+            signal_output, noise_output, lambda_, layout.inverse_count_rows(),
             layout.row_flags(batch_size, query_length, signal_output.device), carry, *kernel_head_norm(head_norm),
             store_running=recording,
         )

@@ -620,18 +620,7 @@ class TritonIntegral(torch.autograd.Function):
                 None, None)
 
 
-def triton_integral(
-    signal: torch.Tensor,
-    noise: torch.Tensor,
-    lambda_: torch.Tensor,
-    inverse_count: torch.Tensor,
-    row_flags: torch.Tensor,
-    carry: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    normalize: bool,
-    eps: float,
-    store_running: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def triton_integral(signal, noise, lambda_, inverse_count, row_flags, carry, weight, normalize, eps, store_running=False):
     """The integral's tail on the kernels (arguments as `integral_forward`'s): `(output, last_sum, running or None)`,
     through autograd where a gradient is wanted."""
     tensors = (signal, noise, lambda_, carry, weight)
