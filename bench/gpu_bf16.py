@@ -436,7 +436,7 @@ def markdown(result: dict, args) -> str:
                          f"{'yes' if cells and all(float(c.split(': ')[1]) <= 1.05 for c in cells) else '-'} |")
     state = result.get("decode", {}).get("integral_state_bytes", {})
     if state:
-        lines.append(f"| integral state per layer constant in the length | - | "
+        lines.append("| integral state per layer constant in the length | - | "
                      + "; ".join(f"{name} {prompt}: {sorted(set(values))}" for name, by_prompt in state.items()
                                  for prompt, values in by_prompt.items() if name.startswith("dint")) + " | |")
     if result.get("integral_calls"):
