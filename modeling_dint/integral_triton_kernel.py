@@ -586,6 +586,7 @@ class TritonIntegral(torch.autograd.Function):
         return output, last_sum, running
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' backward has no backward of its own
     def backward(ctx, grad_output, grad_last, grad_running):
         signal, noise, attention_output, lambda_, inverse_count, row_flags, carry, weight, inclusive, restarts = (
             ctx.saved_tensors

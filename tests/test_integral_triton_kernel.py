@@ -76,7 +76,7 @@ def eager_reference(signal, noise, lambda_, layout, carry, head_norm):
 
 
 def assert_close(actual, expected, dtype, scale=1.0):
-    """fp32 tightly; bf16 within its rounding of the same fp32 value (plus the sums' order)."""
+    """fp32 tightly; bf16 and fp16 within their rounding of the same fp32 value (plus the sums' order)."""
     tolerance = dict(atol=1e-5 * scale, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2 * scale, rtol=2e-2)
     torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
 
@@ -92,6 +92,30 @@ def test_kernel_matches_the_eager_integral_forward_and_backward(
     even and odd heads, a lambda per row and head, no norm), a carried state and count: the output, the last and
     every row's state, and the gradients of O1 and O2 (into their one output), lambda, the norm's weight and the
     carry, with a gradient on the state too. `chunk_rows=16` cuts 90 rows into 6 chunks, scanned 2 at a time."""
+    check_against_eager(dtype, head_layout, case, length, channels, chunk_rows, monkeypatch)
+
+
+@pytest.mark.parametrize("head_layout", ["v1", "v2"])
+def test_fp16_matches_the_eager_integral(head_layout, monkeypatch):
+    """fp16 as bf16: padding, documents and a carried state over 6 chunks."""
+    check_against_eager(torch.float16, head_layout, "padding inside rows and packed documents", 90, 80, 16, monkeypatch)
+
+
+def test_a_second_derivative_is_refused_not_wrong():
+    """The kernels' backward is not differentiable: asking for a second derivative raises instead of giving zeros."""
+    attention_output = torch.randn(1, 20, 4, 16, device=DEVICE, requires_grad=True)
+    signal, noise = attention_output.chunk(2, dim=2)
+    layout = DintIntegralLayout.build(None, None, None, 1, 20, torch.device(DEVICE))
+    output = triton_kernel.triton_integral(
+        signal, noise, torch.tensor(0.5, device=DEVICE), layout.inverse_count_rows(),
+        layout.row_flags(1, 20, torch.device(DEVICE)), None, None, False, 0.0,
+    )[0]
+    (gradient,) = torch.autograd.grad(output.square().sum(), attention_output, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gradient.sum().backward()
+
+
+def check_against_eager(dtype, head_layout, case, length, channels, chunk_rows, monkeypatch):
     if chunk_rows is not None:
         monkeypatch.setattr(triton_kernel, "chunk_rows_for", lambda query_length, channels: chunk_rows)
         monkeypatch.setattr(triton_kernel, "SCAN_BLOCK_CHUNKS", 2)
