@@ -21,9 +21,10 @@ it measured), and one that would pass `--budget` seconds is skipped and says so:
 4. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
 5. `decode`: per decoded token with the dynamic cache after prompts of `DECODE_PROMPTS` tokens (eager), and the
    integral state's bytes per layer;
-6. `batched_generate`: `generate()` of a batch of 8 prompts of 128 tokens, 32 new tokens (eager);
-7. `compiled_decode`: per token with a static cache and `torch.compile` in CUDA-graph mode ("reduce-overhead"), the
-   pairs of the targets first (compiling is most of its time).
+6. `compiled_decode`: per token with a static cache and `torch.compile` in CUDA-graph mode ("reduce-overhead"), the
+   pairs of the targets first (compiling is most of its time; a pair starts with `COMPILE_RESERVE_SECONDS` left);
+7. `batched_generate`: `generate()` of a batch of 8 prompts of 128 tokens, 32 new tokens (eager).
+A stage's part that fails (an error, out of memory) is recorded with its traceback and the run goes on.
 
 Timing: after a warm-up step per model, `--rounds` rounds in which the models of a group run one after the other
 (the order rotates each round); a ratio is the median over the rounds of the per-round ratios (paired median).
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch._dynamo
@@ -54,7 +56,7 @@ PREFILL_LENGTHS = (2048, 8192, 32768)
 DECODE_PROMPTS = (2048, 32768)
 SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "vocab_size": 32000, "num_key_value_heads": 8}
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 256, "num_key_value_heads": 2}
-GPU_KERNEL_TESTS = "not matches_the_eager or 90"
+GPU_KERNEL_TESTS = "not matches_the_eager or 90 or fp16"
 """The Triton kernel tests run on the GPU (`-k`): all but the unit tests' shorter lengths, which the interpreter covers
 (each compiles kernel variants of its own; CI's Triton stage runs them all)."""
 
@@ -63,6 +65,9 @@ V2_GROUP = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v2_eager_ops")
 EAGER_OPS = {"dint_v1_eager_ops": "dint_v1", "dint_v2_eager_ops": "dint_v2"}
 """Variants that run a model of the group with the integral's eager ops: `{variant: model}`."""
 COMPILED_PAIRS = (("dint_v2", "llama_2h"), ("dint_v1", "diffllama"), ("diff_v2", "llama_h"))
+COMPILE_RESERVE_SECONDS = 150
+"""A pair's compiles and timing start only with this much of the budget left (a 1B model's decode step compiles in
+CUDA-graph mode in about a minute)."""
 
 TARGETS = [
     # (group of stages, numerator, denominator, bound, what)
@@ -184,14 +189,18 @@ def peak_bytes(device: str, step) -> int | None:
     return torch.cuda.max_memory_allocated() - before
 
 
-def paired_rounds(device: str, steps: dict, rounds: int) -> tuple[dict, dict]:
-    """A warm-up (with its peak memory), then `rounds` rounds of every step in a rotating order: `({name: seconds
-    per round}, {name: peak bytes of the warm-up})`. A step is `() -> None` or `() -> seconds` (it times itself)."""
+def paired_rounds(device: str, steps: dict, rounds: int, kernel_calls=None, launches=None) -> tuple[dict, dict]:
+    """A warm-up (with its peak memory, and the Triton integral's launches in it counted into `launches` by name), then
+    `rounds` rounds of every step in a rotating order: `({name: seconds per round}, {name: peak bytes of the
+    warm-up})`. A step is `() -> None` or `() -> seconds` (it times itself)."""
     names = list(steps)
     peaks, samples = {}, {name: [] for name in names}
     for name in names:
         with integral_kernel_for(name):
+            before = kernel_calls.count if kernel_calls is not None else 0
             peaks[name] = peak_bytes(device, steps[name])
+            if launches is not None:
+                launches[name] = kernel_calls.count - before
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -287,7 +296,7 @@ def compiled_decode(models, args, pairs, deadline, result) -> None:
     prompts = DECODE_PROMPTS if not args.smoke else (16, 32)
     entry = result.setdefault("compiled_decode", {"seconds": {}, "compile_seconds": {}, "graphs": {}})
     for pair in pairs:
-        if time.time() > deadline:
+        if time.time() > deadline - COMPILE_RESERVE_SECONDS:
             entry.setdefault("skipped", []).append(f"{pair}: the budget")
             continue
         caches = {name: StaticCache(config=models[name].config, max_cache_len=max(prompts) + args.decode_tokens + 4)
@@ -300,6 +309,7 @@ def compiled_decode(models, args, pairs, deadline, result) -> None:
             compiled_generate(models[name], ids[prompts[0]], mask[prompts[0]], caches[name], 4)
             entry["compile_seconds"][name] = round(time.time() - started, 1)
             entry["graphs"][name] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            write(result, args)
         torch._dynamo.utils.counters.clear()
         for prompt in prompts:
             steps = {}
@@ -313,6 +323,7 @@ def compiled_decode(models, args, pairs, deadline, result) -> None:
             samples, _ = paired_rounds(args.device, steps, max(2, args.rounds - 2))
             for name in pair:
                 entry["seconds"].setdefault(name, {})[str(prompt)] = samples[name]
+            write(result, args)
         entry.setdefault("graphs_compiled_while_timing", {})[" / ".join(pair)] = (
             torch._dynamo.utils.counters["stats"]["unique_graphs"]
         )
@@ -320,8 +331,8 @@ def compiled_decode(models, args, pairs, deadline, result) -> None:
 
 def integral_calls(args) -> dict:
     """The integral alone, per call (`DintIntegral.__call__`), the Triton kernel against the eager ops, at a decoding
-    step (batch 1 and 8, one row: what a launch costs) and at 4096 rows (forward, and forward with backward), both
-    layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda per row):
+    step (batch 1 and 8, one row: what a launch costs) and at 4096 rows (forward, and forward with backward; also
+    packed documents of 64 rows, each a restart of the running sums), both layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda per row):
     `{case: {kernel: [seconds per call, per round]}}`."""
     from torch import nn
 
@@ -331,7 +342,9 @@ def integral_calls(args) -> dict:
     integral = DintIntegral("mean", layer_idx=0)
     calls = {}
     for layout_name in ("v1", "v2"):
-        for batch_size, rows, backward in ((1, 1, False), (8, 1, False), (1, 4096, False), (1, 4096, True)):
+        cases = ((1, 1, False, None), (8, 1, False, None), (1, 4096, False, None), (1, 4096, True, None),
+                 (1, 4096, True, 64))  # (batch, rows, backward, rows per packed document)
+        for batch_size, rows, backward, document_rows in cases:
             rows = min(rows, 64) if args.smoke else rows
             attention_output = torch.randn(batch_size, rows, 2 * heads, channels, device=args.device,
                                            dtype=torch.bfloat16, requires_grad=backward)
@@ -343,7 +356,10 @@ def integral_calls(args) -> dict:
                 signal, noise = attention_output[:, :, 0::2], attention_output[:, :, 1::2]
                 lambda_ = torch.rand(batch_size, rows, heads, 1, device=args.device, requires_grad=backward)
                 head_norm = nn.Identity()
-            layout = DintIntegralLayout.build(None, None, None, batch_size, rows, torch.device(args.device))
+            document_start = None
+            if document_rows:  # packed documents: the running sums restart every `document_rows` rows
+                document_start = (torch.arange(rows, device=args.device) % document_rows == 0)[None]
+            layout = DintIntegralLayout.build(None, document_start, None, batch_size, rows, torch.device(args.device))
             layout.row_flags(batch_size, rows, torch.device(args.device))
 
             def call():
@@ -353,7 +369,8 @@ def integral_calls(args) -> dict:
                         output.float().sum().backward()
 
             repeat = 3 if args.smoke else (200 if rows == 1 else 20)
-            case = f"{layout_name} B={batch_size} T={rows}{' +backward' if backward else ''}"
+            case = (f"{layout_name} B={batch_size} T={rows}{' +backward' if backward else ''}"
+                    f"{f' documents of {document_rows}' if document_rows else ''}")
             calls[case] = {}
             for kernel in ("triton", "eager"):
                 os.environ["DINT_INTEGRAL_KERNEL"] = kernel if args.device.startswith("cuda") else "eager"
@@ -369,7 +386,7 @@ def integral_calls(args) -> dict:
 def run_tests(args, seconds: float) -> dict:
     """The GPU tests in a subprocess, stopped after `seconds` (what it printed by then is kept)."""
     command = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "tests/test_integral_triton_kernel.py", "-q",
-               "-p", "no:cacheprovider", "-k", GPU_KERNEL_TESTS]
+               "--tb=short", "-p", "no:cacheprovider", "-k", GPU_KERNEL_TESTS]
     started = time.time()
     try:
         result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=seconds)
@@ -378,6 +395,9 @@ def run_tests(args, seconds: float) -> dict:
         returncode = "timed out"
         stdout, stderr = (text.decode() if isinstance(text, bytes) else text or "" for text in (timeout.stdout,
                                                                                               timeout.stderr))
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "tests.log"), "w") as file:  # every traceback, whole
+        file.write(stdout + stderr)
     lines = stdout.strip().splitlines()
     return {"command": " ".join(command[1:]), "returncode": returncode, "seconds": round(time.time() - started),
             "summary": (lines[-1] if lines else stderr[-2000:]) if returncode != "timed out" else "timed out",
@@ -443,11 +463,18 @@ def markdown(result: dict, args) -> str:
         lines += ["", "## integral", "", "`DintIntegral` alone, microseconds per call (median of 3 rounds)", "",
                   "| case | Triton kernel | eager ops | kernel / eager |", "| --- | --- | --- | --- |"]
         for case, by_kernel in result["integral_calls"].items():
+            if case == "errors":
+                continue
             triton_us, eager_us = (statistics.median(by_kernel[kernel]) * 1e6 for kernel in ("triton", "eager"))
             lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} |")
+    for stage in ("tests", "integral_calls", "train", "prefill", "decode", "batched_generate", "compiled_decode"):
+        for error in (result.get(stage) or {}).get("errors", []) if isinstance(result.get(stage), dict) else []:
+            lines += ["", f"{stage}: error", "", "```", error.strip(), "```"]
     for stage in ("train", "prefill", "decode", "batched_generate", "compiled_decode"):
         entry = result.get(stage)
-        if not entry:
+        if not entry or not entry.get("seconds"):
+            if entry and entry.get("skipped"):
+                lines += ["", f"## {stage}", "", f"skipped: {entry['skipped']}"]
             continue
         lines += ["", f"## {stage}", "", "median seconds per " + ("token" if "decode" in stage else "step"), "",
                   "| model | " + " | ".join(f"{length}" for length in next(iter(entry["seconds"].values()))) + " |",
@@ -455,7 +482,21 @@ def markdown(result: dict, args) -> str:
         for name, by_length in entry["seconds"].items():
             lines.append(f"| {name} | " + " | ".join(f"{statistics.median(values):.4f}" for values in by_length.values())
                          + " |")
-        for key in ("skipped", "compile_seconds", "graphs", "graphs_compiled_while_timing", "kernel_calls"):
+        if stage == "train":  # tokens per second and the peak memory above the weights, per model and length
+            lines += ["", "tokens/s; peak GB of the step", ""]
+            for name, by_length in entry["seconds"].items():
+                cells = []
+                for length, values in by_length.items():
+                    peak = entry["peak_bytes"].get(name, {}).get(length)
+                    cells.append(f"{int(length) / statistics.median(values):,.0f}; "
+                                 f"{peak / 2**30:.2f}" if peak else f"{int(length) / statistics.median(values):,.0f}")
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        untaken = [f"{name} {length}" for name, by_length in entry.get("kernel_launches_in_warm_up", {}).items()
+                   for length, count in by_length.items() if name in ("dint_v1", "dint_v2") and count == 0]
+        if untaken and info["device"].startswith("cuda"):
+            lines.append(f"\n**The Triton integral was not taken** (its eager ops were timed): {untaken}")
+        for key in ("skipped", "compile_seconds", "graphs", "graphs_compiled_while_timing",
+                    "kernel_launches_in_warm_up"):
             if entry.get(key):
                 lines.append(f"\n{key}: {entry[key]}")
     return "\n".join(lines) + "\n"
@@ -469,6 +510,18 @@ def write(result: dict, args) -> None:
         file.write(markdown(result, args))
 
 
+def guarded(result: dict, key: str, args, function) -> None:
+    """Runs one stage's part; an exception (a kernel that does not compile, out of memory) is recorded under
+    `result[key]["errors"]` and the run goes on with the next part."""
+    try:
+        function()
+    except Exception:  # noqa: BLE001 (any failure is a result of the one GPU run; the next stages still run)
+        result.setdefault(key, {}).setdefault("errors", []).append(traceback.format_exc(limit=8))
+        print(result[key]["errors"][-1], flush=True)
+        bench_common.collect_garbage(args.device)
+    write(result, args)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
@@ -477,12 +530,12 @@ def main(argv=None) -> None:
     result = {"argv": sys.argv[1:] if argv is None else argv, "machine": machine(args)}
     write(result, args)
     if "tests" in stages and args.device.startswith("cuda"):
-        result["tests"] = run_tests(args, seconds=min(240.0, args.budget / 2))
-        print(result["tests"]["summary"], flush=True)
-        write(result, args)
+        def tests():
+            result["tests"] = run_tests(args, seconds=min(150.0, args.budget / 3))
+            print(result["tests"]["summary"], flush=True)
+        guarded(result, "tests", args, tests)
     if "integral" in stages:
-        result["integral_calls"] = integral_calls(args)
-        write(result, args)
+        guarded(result, "integral_calls", args, lambda: result.__setitem__("integral_calls", integral_calls(args)))
     kernel_calls = KernelCalls()
     models = build_models(args, V1_GROUP + V2_GROUP)
     lengths = {
@@ -490,44 +543,46 @@ def main(argv=None) -> None:
         "prefill": (32, 64, 128) if args.smoke else PREFILL_LENGTHS,
         "decode": (16, 32) if args.smoke else DECODE_PROMPTS,
     }
-    for stage in ("train", "prefill", "decode", "batched_generate"):
+    for stage in ("train", "prefill", "decode", "compiled_decode", "batched_generate"):  # by priority
         if stage not in stages:
             continue
+        if stage == "compiled_decode":
+            guarded(result, stage, args, lambda: compiled_decode(models, args, COMPILED_PAIRS, deadline - 30, result))
+            continue
         entry = result.setdefault(stage, {"seconds": {}, "peak_bytes": {}})
-        calls_before = kernel_calls.count
         for group in (V1_GROUP, V2_GROUP):
             for length in lengths.get(stage, ("8x128+32",)):
                 if time.time() > deadline - 60:
                     entry.setdefault("skipped", []).append(f"{group[0]} group at {length}: the budget")
                     continue
-                group_models = {name: models[name] for name in group}
-                if stage == "train":
-                    steps = train_steps(group_models, args, length)
-                elif stage == "prefill":
-                    steps = prefill_steps(group_models, args, length)
-                elif stage == "decode":
-                    state = entry.setdefault("integral_state_bytes", {})
-                    state_bytes = {}
-                    steps = decode_steps(group_models, args, length, state_bytes)
-                else:
-                    steps = batched_generate_steps(group_models, args)
-                samples, peaks = paired_rounds(args.device, steps, args.rounds)
-                for name in group:
-                    entry["seconds"].setdefault(name, {})[str(length)] = samples[name]
-                    entry["peak_bytes"].setdefault(name, {})[str(length)] = peaks[name]
-                if stage == "decode":
-                    for name, values in state_bytes.items():
-                        state.setdefault(name, {})[str(length)] = values
-                bench_common.collect_garbage(args.device)
-        entry["kernel_calls"] = kernel_calls.count - calls_before
-        write(result, args)
+                guarded(result, stage, args, lambda: measure(stage, group, length, models, args, entry, kernel_calls))
         print(f"{stage} done at {time.time() - started:.0f} s", flush=True)
-    if "compiled_decode" in stages:
-        compiled_decode(models, args, COMPILED_PAIRS, deadline - 30, result)
-        write(result, args)
     result["seconds"] = round(time.time() - started)
     write(result, args)
     print(markdown(result, args))
+
+
+def measure(stage, group, length, models, args, entry, kernel_calls) -> None:
+    """One group of models at one length of a stage, into `entry`."""
+    group_models = {name: models[name] for name in group}
+    state_bytes = {}
+    if stage == "train":
+        steps = train_steps(group_models, args, length)
+    elif stage == "prefill":
+        steps = prefill_steps(group_models, args, length)
+    elif stage == "decode":
+        steps = decode_steps(group_models, args, length, state_bytes)
+    else:
+        steps = batched_generate_steps(group_models, args)
+    launches = {}
+    samples, peaks = paired_rounds(args.device, steps, args.rounds, kernel_calls, launches)
+    for name in group:
+        entry["seconds"].setdefault(name, {})[str(length)] = samples[name]
+        entry["peak_bytes"].setdefault(name, {})[str(length)] = peaks[name]
+        entry.setdefault("kernel_launches_in_warm_up", {}).setdefault(name, {})[str(length)] = launches[name]
+    for name, values in state_bytes.items():
+        entry.setdefault("integral_state_bytes", {}).setdefault(name, {})[str(length)] = values
+    bench_common.collect_garbage(args.device)
 
 
 if __name__ == "__main__":

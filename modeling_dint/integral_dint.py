@@ -128,7 +128,8 @@ class DintIntegralLayout:
         that count, and the rows where the running sum restarts before adding (a document's first row; row 0 where the
         cache's sums do not carry; with `carry_per_row`, every request's first row, whose carried sum the kernel reads
         from the cache's table after the restart). Computed on the first layer's call, then kept for the others."""
-        if self.kernel_row_flags is None and query_length == 1 and self.query_valid is None:  # a decoding step
+        decoding_step = query_length == 1 and self.query_valid is None and self.restart_row is None
+        if self.kernel_row_flags is None and decoding_step and not self.carry_per_row:
             if isinstance(self.carry_kept, torch.Tensor):
                 kept = self.carry_kept.to(device).view(-1, 1)
                 flags = torch.where(kept, ROW_VALID, ROW_VALID | DOCUMENT_START).to(torch.uint8)
@@ -613,22 +614,29 @@ def requested_integral_kernel() -> str:
 def fusable_call(signal_output, noise_output, lambda_, head_norm: nn.Module) -> bool:
     """What every fused kernel needs of a call (arguments as `DintIntegral.__call__`'s): eager (not compiling or
     exporting: the compiler fuses the eager ops itself), plain tensors of one dtype with contiguous channels, an fp32
-    lambda, and a head norm that is torch's RMSNorm over the channels (or none) with no hooks to run (a kernel does not
-    call the module) and its weight beside the outputs (not offloaded)."""
+    lambda on their device, and a head norm that computes torch's RMSNorm over the channels (`nn.RMSNorm` itself, or a
+    class that says so with `fused_by_integral_kernels`) or nothing (`nn.Identity`), with no hooks to run (a kernel
+    does not call the module) and its weight beside the outputs (not offloaded)."""
     if (
         type(signal_output) is not torch.Tensor
         or noise_output.dtype != signal_output.dtype
         or lambda_.dtype != torch.float32
+        or lambda_.device != signal_output.device
         or signal_output.stride(-1) != 1
         or noise_output.stride(-1) != 1
         or head_norm._forward_hooks
         or head_norm._forward_pre_hooks
+        or head_norm._backward_hooks
+        or head_norm._backward_pre_hooks
         or torch.compiler.is_compiling()
     ):
         return False
-    if isinstance(head_norm, nn.Identity):
+    norm_class = type(head_norm)
+    if norm_class is nn.Identity:
         return True
-    if not isinstance(head_norm, nn.RMSNorm) or tuple(head_norm.normalized_shape) != (signal_output.shape[-1],):
+    if not (norm_class is nn.RMSNorm or norm_class.__dict__.get("fused_by_integral_kernels", False)):
+        return False
+    if tuple(head_norm.normalized_shape) != (signal_output.shape[-1],):
         return False
     return head_norm.weight is None or head_norm.weight.device == signal_output.device
 
@@ -726,10 +734,12 @@ class DintIntegral:
         return EAGER
 
     def takes_cpu_kernel(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:
-        """Whether `integral_cpu_kernel` can compute this call (arguments as `__call__`'s): what `fusable_call` asks,
-        and `_cpu_kernel_takes`."""
-        return fusable_call(signal_output, noise_output, lambda_, head_norm) and self._cpu_kernel_takes(
-            signal_output, noise_output, lambda_, layout, cache, head_norm
+        """Whether `integral_cpu_kernel` can compute this call (arguments as `__call__`'s; vLLM's integral op asks):
+        not `DINT_INTEGRAL_KERNEL=eager`, what `fusable_call` asks, and `_cpu_kernel_takes`."""
+        return (
+            requested_integral_kernel() != EAGER
+            and fusable_call(signal_output, noise_output, lambda_, head_norm)
+            and self._cpu_kernel_takes(signal_output, noise_output, lambda_, layout, cache, head_norm)
         )
 
     def _cpu_kernel_takes(self, signal_output, noise_output, lambda_, layout, cache, head_norm) -> bool:

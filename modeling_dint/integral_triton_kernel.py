@@ -39,6 +39,8 @@ in Python, so the kernels scan with `tl.cumsum` only.
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and (guarded) Triton.
 """
 
+import contextlib
+
 import torch
 
 from .integral_cpu_kernel import DOCUMENT_START, ROW_VALID
@@ -78,9 +80,9 @@ def runs_on(device: torch.device) -> bool:
 
 def chunk_rows_for(query_length: int, channels: int) -> int:
     """`CHUNK_ROWS`, the rows of one program's tile: 16 or 32 for a call that short (decoding, a short prefill: one
-    chunk), else as many as keep the backward's tiles in registers (rows x channels <= 4096, at least 16)."""
+    chunk), else as many as keep the backward's tiles in registers (rows x channels <= 4096, at least 8)."""
     block_channels = max(16, 1 << (channels - 1).bit_length())
-    longest = max(16, min(64, 4096 // block_channels))
+    longest = max(8, min(64, 4096 // block_channels))
     for chunk_rows in (16, 32):
         if query_length <= chunk_rows <= longest:
             return chunk_rows
@@ -90,6 +92,13 @@ def chunk_rows_for(query_length: int, channels: int) -> int:
 if triton is not None:
     _ROW_VALID = tl.constexpr(ROW_VALID)
     _DOCUMENT_START = tl.constexpr(DOCUMENT_START)
+
+    @triton.jit
+    def _program_chunk(chunks):
+        """`(batch row * heads + head, chunk)` of this program: one program per chunk of each (batch row, head), on one
+        grid axis (the only one not capped at 65535 programs), a (batch row, head)'s chunks side by side."""
+        program = tl.program_id(0)
+        return program // chunks, program % chunks
 
     @triton.jit
     def _broadcast(scalar, BLOCK: tl.constexpr):
@@ -145,9 +154,9 @@ if triton is not None:
         signal_stride_b, signal_stride_t, signal_stride_h, flags_stride_b, flags_stride_t,
         CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
     ):
-        """Per chunk (program axis 0) and (batch row, head) (axis 1): the sum of the valid O1 rows from the chunk's last
+        """Per (batch row, head) and chunk (`_program_chunk`): the sum of the valid O1 rows from the chunk's last
         document start (all of them without one) `[C]`, and whether a document starts in the chunk."""
-        chunk, batch_head = tl.program_id(0), tl.program_id(1)
+        batch_head, chunk = _program_chunk(chunks)
         batch, head = batch_head // heads, batch_head % heads
         row, in_rows, valid, starts, channel, in_channels = _row_tiles(
             chunk, rows, row_flags_ptr, flags_stride_b, flags_stride_t, batch, CHUNK_ROWS, BLOCK_CHANNELS, channels
@@ -255,10 +264,10 @@ if triton is not None:
         CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr, HAS_CARRY: tl.constexpr, MULTI_CHUNK: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RUNNING: tl.constexpr,
     ):
-        """Per chunk (program axis 0) and (batch row, head) (axis 1): `out = head_norm(O1 - lambda (O2 - S / c))` in
-        the output's dtype; the sum after the call's last row `[B, heads, C]` (fp32), and with `STORE_RUNNING` after
-        every row `[B, T, heads, C]` (fp32)."""
-        chunk, batch_head = tl.program_id(0), tl.program_id(1)
+        """Per (batch row, head) and chunk (`_program_chunk`): `out = head_norm(O1 - lambda (O2 - S / c))` in the
+        output's dtype; the sum after the call's last row `[B, heads, C]` (fp32), and with `STORE_RUNNING` after every
+        row `[B, T, heads, C]` (fp32)."""
+        batch_head, chunk = _program_chunk(chunks)
         (row, in_rows, valid, starts, channel, in_channels, mask, signal, noise, lambda_, inverse, running, combined,
          scale, weight) = _combination(
             signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, carry_ptr, inclusive_ptr, weight_ptr,
@@ -299,11 +308,11 @@ if triton is not None:
         CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr, HAS_CARRY: tl.constexpr, MULTI_CHUNK: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GRAD_LAST: tl.constexpr, HEADS_ONLY: tl.constexpr,
     ):
-        """Per chunk (program axis 0) and (batch row, head) (axis 1), the forward recomputed, then the gradients:
-        with `HEADS_ONLY`, only the sum of dS over the chunk's rows before its first document start (what reaches
-        the chunks before); else dO1, dO2, dlambda per row `[B, T, heads]`, the norm weight's per chunk
-        `[chunks, B * heads, C]` and, from chunk 0, the carry's `[B, heads, C]` (all fp32 but dO1, dO2)."""
-        chunk, batch_head = tl.program_id(0), tl.program_id(1)
+        """Per (batch row, head) and chunk (`_program_chunk`), the forward recomputed, then the gradients: with
+        `HEADS_ONLY`, only the sum of dS over the chunk's rows before its first document start (what reaches the
+        chunks before); else dO1, dO2, dlambda per row `[B, T, heads]`, the norm weight's per program
+        `[B * heads * chunks, C]` and, from chunk 0, the carry's `[B, heads, C]` (all fp32 but dO1, dO2)."""
+        batch_head, chunk = _program_chunk(chunks)
         (row, in_rows, valid, starts, channel, in_channels, mask, signal, noise, lambda_, inverse, running, combined,
          scale, weight) = _combination(
             signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, carry_ptr, inclusive_ptr, weight_ptr,
@@ -363,7 +372,7 @@ if triton is not None:
             tl.store(grad_lambda_ptr + (batch * rows + row) * heads + head, grad_lambda, mask=in_rows)
             if HAS_WEIGHT:
                 grad_weight = tl.sum(grad_output * combined * scale[:, None], axis=0)
-                grad_weight_row = grad_weight_ptr + (chunk.to(tl.int64) * tl.num_programs(1) + batch_head) * channels
+                grad_weight_row = grad_weight_ptr + tl.program_id(0).to(tl.int64) * channels
                 tl.store(grad_weight_row + channel, grad_weight, mask=in_channels)
             if HAS_CARRY:  # the carry enters every row before the call's first document start
                 grad_carry = grad_carry_ptr + batch_head.to(tl.int64) * channels + channel
@@ -371,6 +380,12 @@ if triton is not None:
 
 INTERPRETED = triton is not None and type(_integral_forward_kernel).__name__ == "InterpretedFunction"
 """Whether Triton's interpreter runs the kernels (`triton.jit` gives its functions where `TRITON_INTERPRET=1`)."""
+
+
+def _on_device(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' (a model split over GPUs, `device_map`, runs
+    its layers on several while the current device stays the first)."""
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch_shape(signal: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -465,24 +480,26 @@ def integral_forward(
         running = torch.empty(signal.shape, dtype=torch.float32, device=signal.device)
     inclusive = restarts = None
     block_channels, num_warps = _block_channels(channels), _num_warps(chunk_rows, channels)
-    if chunks > 1:
-        tails = torch.empty(batch_heads, chunks, channels, dtype=torch.float32, device=signal.device)
-        restarts = torch.empty(batch_heads, chunks, dtype=torch.int8, device=signal.device)
-        _chunk_tails_kernel[(chunks, batch_heads)](
-            signal, row_flags, tails, restarts, query_length, heads, chunks, channels,
-            *signal.stride()[:3], *row_flags.stride(),
-            CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, num_warps=num_warps,
+    with _on_device(signal):
+        if chunks > 1:
+            tails = torch.empty(batch_heads, chunks, channels, dtype=torch.float32, device=signal.device)
+            restarts = torch.empty(batch_heads, chunks, dtype=torch.int8, device=signal.device)
+            _chunk_tails_kernel[(batch_heads * chunks,)](
+                signal, row_flags, tails, restarts, query_length, heads, chunks, channels,
+                *signal.stride()[:3], *row_flags.stride(),
+                CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, num_warps=num_warps,
+            )
+            inclusive = _chunk_scan(tails, restarts, carry, batch_heads, heads, chunks, channels, reverse=False)
+        _integral_forward_kernel[(batch_heads * chunks,)](
+            signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight,
+            output, last_sum, running,
+            query_length, heads, chunks, channels, eps,
+            *signal.stride()[:3], *noise.stride()[:3], *lambda_rows.stride(), *inverse_count.stride(),
+            *row_flags.stride(), *_carry_strides(carry), *output.stride()[:3],
+            CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, HAS_CARRY=carry is not None,
+            MULTI_CHUNK=chunks > 1, NORMALIZE=normalize, HAS_WEIGHT=weight is not None, STORE_RUNNING=store_running,
+            num_warps=num_warps,
         )
-        inclusive = _chunk_scan(tails, restarts, carry, batch_heads, heads, chunks, channels, reverse=False)
-    _integral_forward_kernel[(chunks, batch_heads)](
-        signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight,
-        output, last_sum, running,
-        query_length, heads, chunks, channels, eps,
-        *signal.stride()[:3], *noise.stride()[:3], *lambda_rows.stride(), *inverse_count.stride(),
-        *row_flags.stride(), *_carry_strides(carry), *output.stride()[:3],
-        CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, HAS_CARRY=carry is not None, MULTI_CHUNK=chunks > 1,
-        NORMALIZE=normalize, HAS_WEIGHT=weight is not None, STORE_RUNNING=store_running, num_warps=num_warps,
-    )
     return output, last_sum, running, inclusive, restarts
 
 
@@ -519,12 +536,12 @@ def integral_backward(
         grad_last = grad_last.float().contiguous()
     float_options = dict(dtype=torch.float32, device=signal.device)
     grad_lambda = torch.empty(batch_size, query_length, heads, **float_options)
-    grad_weight = torch.empty(chunks, batch_heads, channels, **float_options) if weight is not None else None
+    grad_weight = torch.empty(batch_heads * chunks, channels, **float_options) if weight is not None else None
     grad_carry = torch.empty(batch_size, heads, channels, **float_options) if carry is not None else None
     block_channels, num_warps = _block_channels(channels), _num_warps(chunk_rows, channels)
 
     def launch(heads_only: bool, right_inclusive: torch.Tensor | None, heads_sum: torch.Tensor | None) -> None:
-        _integral_backward_kernel[(chunks, batch_heads)](
+        _integral_backward_kernel[(batch_heads * chunks,)](
             signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight,
             grad_output, grad_last, right_inclusive,
             grad_signal, grad_noise, grad_lambda, grad_weight, grad_carry, heads_sum,
@@ -538,12 +555,13 @@ def integral_backward(
         )
 
     right_inclusive = None
-    if chunks > 1:  # what each chunk passes back to the chunks before it, then their running sum from the right
-        heads_sum = torch.empty(batch_heads, chunks, channels, **float_options)
-        launch(True, None, heads_sum)
-        right_inclusive = _chunk_scan(heads_sum, restarts, None, batch_heads, heads, chunks, channels, reverse=True)
-    launch(False, right_inclusive, None)
-    return grad_lambda, (grad_weight.sum(dim=(0, 1)) if grad_weight is not None else None), grad_carry
+    with _on_device(signal):
+        if chunks > 1:  # what each chunk passes back to the chunks before it, then their running sum from the right
+            heads_sum = torch.empty(batch_heads, chunks, channels, **float_options)
+            launch(True, None, heads_sum)
+            right_inclusive = _chunk_scan(heads_sum, restarts, None, batch_heads, heads, chunks, channels, reverse=True)
+        launch(False, right_inclusive, None)
+    return grad_lambda, (grad_weight.sum(dim=0) if grad_weight is not None else None), grad_carry
 
 
 def shared_output(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor | None:
@@ -553,6 +571,8 @@ def shared_output(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor | N
     where O1 and O2 are not such views."""
     base = signal._base
     if base is None or noise._base is not base or base.requires_grad != signal.requires_grad or base.dim() != 4:
+        return None
+    if not base.is_contiguous():  # its gradient buffer is made contiguous (`backward`)
         return None
     batch_size, query_length, heads, channels = signal.shape
     if tuple(base.shape) != (batch_size, query_length, 2 * heads, channels) or noise.stride() != signal.stride():
@@ -594,7 +614,7 @@ class TritonIntegral(torch.autograd.Function):
         if grad_output is None:
             grad_output = torch.zeros(signal.shape, dtype=signal.dtype, device=signal.device)
         if attention_output is not None:
-            grad_attention_output = torch.empty_like(attention_output)
+            grad_attention_output = torch.empty(attention_output.shape, dtype=signal.dtype, device=signal.device)
             start = grad_attention_output.storage_offset() - attention_output.storage_offset()
             grad_signal, grad_noise = (
                 grad_attention_output.as_strided(view.shape, view.stride(), view.storage_offset() + start)
