@@ -26,8 +26,8 @@ heads, v1's two halves; no copy):
   for backward but the inputs.
 
 The running sums are fp32 in registers, each document's its own cumulative sum (`tl.cumsum`, forward or reverse; no
-sum is subtracted from another, so nothing cancels); padding rows are masked out of every load (a padding row may hold
-NaN) and never multiplied. A launch depends on the length only through `CHUNK_ROWS` (three sizes) and the number of
+sum is subtracted from another, so nothing cancels); a padding row adds nothing to them (`tl.where`, never a product:
+it may hold NaN) and combines its own O1 and O2, as the eager ops do. A launch depends on the length only through `CHUNK_ROWS` (three sizes) and the number of
 chunks, which is not specialized on, so a new length or batch size compiles nothing.
 
 Without Triton (a CPU-only install) this file defines no kernel and `triton_available()` is False. On a machine
