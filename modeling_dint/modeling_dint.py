@@ -261,15 +261,26 @@ class DintV1Attention(DintAttention):
 class DintV2Attention(DintAttention):
     """DINT on DIFF V2's head layout (docs/design.md section 10): query heads 2i (signal) and 2i+1 (noise) share one KV
     head, so O1 and O2 come from one ordinary attention call over Llama's K and V; lambda per token and differential
-    head, `sigmoid(lambda_proj(x))`; no head norm."""
+    head, `sigmoid(lambda_proj(x))`; no head norm. With `config.lambda_gate` (a departure from DIFF V2), a learned gate
+    per differential head multiplies that lambda: `lambda_gate * sigmoid(lambda_proj(x))`."""
 
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
+        if config.lambda_gate:
+            # fp32 however the model is built (`_keep_in_fp32_modules_strict`); 1 from scratch, 0 from dint-convert
+            self.lambda_gate = nn.Parameter(torch.ones(config.num_differential_heads, dtype=torch.float32))
+        else:
+            self.register_parameter("lambda_gate", None)
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, from the attention's input `x` `[B, T, hidden_size]`."""
-        return torch.sigmoid(self.lambda_proj(hidden_states).float()).unsqueeze(-1)
+        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` `[H/2]` where the config has it, from
+        the attention's input `x` `[B, T, hidden_size]`. The one lambda every integral path reads (fast path, the
+        materializing path and `dint_attention_map`, the CPU kernel, continuous batching)."""
+        lambda_ = torch.sigmoid(self.lambda_proj(hidden_states).float())
+        if self.lambda_gate is not None:
+            lambda_ = lambda_ * self.lambda_gate.float()
+        return lambda_.unsqueeze(-1)
 
     def differential_outputs(
         self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
@@ -351,6 +362,23 @@ def create_dint_masks(
     return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
 
 
+def check_padding_mask_length(attention_mask: torch.Tensor, query_length: int, cache: Cache | None) -> None:
+    """Refuses a 2D padding mask `[B, past + T]` whose length is not the cached tokens plus this call's T, naming both
+    lengths (it would fail deep in the integral's running sum, or in the mask's construction, with a raw size
+    mismatch). Integers only, no read of tensor values: it runs on every forward. A compileable (static) cache is not
+    asked its length (generate() gives it a prepared mask dict instead)."""
+    if cache is not None and cache.is_compileable:
+        return
+    past_length = cache.get_seq_length() if cache is not None else 0
+    if attention_mask.shape[-1] != past_length + query_length:
+        cached = f" plus the {past_length} tokens in the cache" if past_length else ""
+        raise ValueError(
+            f"`attention_mask` has length {attention_mask.shape[-1]}, but the input has {query_length} tokens"
+            f"{cached}: a 2D padding mask must cover the cached and the new tokens, shape [batch, "
+            f"{past_length + query_length}] (1 = token, 0 = padding)."
+        )
+
+
 def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
     """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
     past_seen_tokens = cache.get_seq_length() if cache is not None else 0
@@ -388,8 +416,9 @@ class DintPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # The strict list keeps v1's lambda vectors fp32 in fp16 and bf16 loads (the plain list: fp16 only)
-    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    # The strict list keeps v1's lambda vectors and v2's lambda gate fp32 in fp16 and bf16 loads (the plain list: fp16
+    # only)
+    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_gate"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
         "attentions": DintAttention,
@@ -409,6 +438,8 @@ class DintPreTrainedModel(PreTrainedModel):
             init.normal_(module.lambda_k1, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_q2, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_k2, 0, self.config.lambda_std_dev)
+        elif isinstance(module, DintV2Attention) and module.lambda_gate is not None:
+            init.ones_(module.lambda_gate)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
@@ -485,6 +516,8 @@ class DintModel(DintPreTrainedModel):
         if cache is not None:
             check_dint_cache(cache, config, materializing)
 
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            check_padding_mask_length(attention_mask, inputs_embeds.shape[1], cache)
         given_position_ids = position_ids  # the integral's documents restart at the caller's position ids only
         position_ids = default_position_ids(inputs_embeds, cache) if position_ids is None else position_ids
 
