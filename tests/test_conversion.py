@@ -226,6 +226,7 @@ def test_dint_to_diffllama_folds_head_norm_into_o_proj(tmp_path):
         ({"integral": "mean"}, "integral='mean'.*no integral term"),
         ({"integral": "none", "head_norm": False}, "head_norm=False"),
         ({"integral": "none", "lambda_init": 0.5}, "constant lambda_init=0.5"),
+        ({"integral": "none", "differential_attention": "v2"}, "differential_attention='v2'.*DIFF V1's head layout"),
     ],
 )
 def test_dint_to_diffllama_refuses_what_diffllama_cannot_compute(overrides, message):
