@@ -438,8 +438,8 @@ class DintConfig(PreTrainedConfig):
         if self.lambda_gate:
             raise ValueError(
                 "Tensor parallelism cannot shard this DINT model: lambda_gate=True, and transformers' plans shard "
-                "modules, not the gate's one weight per differential head. Allowed: lambda_gate=False, or serve the "
-                "model with vLLM (whose tensor parallelism shards the gate with lambda_proj)."
+                "linear layers, not the gate's one weight per differential head. Allowed: lambda_gate=False, or serve "
+                "the model with vLLM (whose tensor parallelism shards the gate with lambda_proj)."
             )
         if self.attention_bias and self.differential_attention == "v1":
             raise ValueError(

@@ -99,6 +99,21 @@ def reparameterized_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_in
     return lambda_1 - lambda_2 + lambda_init
 
 
+class DintLambdaGate(nn.Module):
+    """v2's lambda gate (`config.lambda_gate`, a departure from DIFF V2): one learned factor per differential head on
+    lambda, `weight` `[H/2]`, fp32 however the model is built (`_keep_in_fp32_modules_strict`). 1 when built from
+    scratch (DIFF V2's lambda); `dint-convert --differential-attention v2` writes 0, so that the converted model starts
+    at the source's function. A module (not a bare parameter) so that PEFT can train it: `modules_to_save`."""
+
+    def __init__(self, num_differential_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_differential_heads, dtype=torch.float32))
+
+    def forward(self, lambda_: torch.Tensor) -> torch.Tensor:
+        """`[..., H/2]` fp32 -> the gated lambda, `lambda_ * weight`, fp32."""
+        return lambda_ * self.weight.float()
+
+
 class DintAttention(nn.Module):
     """Differential-integral attention (DINT, arXiv 2501.17486): what both head layouts share. A layout (`DintV1Attention`,
     `DintV2Attention`) supplies lambda (`differential_lambda`) and the signal and noise outputs (`differential_outputs`,
@@ -267,19 +282,15 @@ class DintV2Attention(DintAttention):
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
-        if config.lambda_gate:
-            # fp32 however the model is built (`_keep_in_fp32_modules_strict`); 1 from scratch, 0 from dint-convert
-            self.lambda_gate = nn.Parameter(torch.ones(config.num_differential_heads, dtype=torch.float32))
-        else:
-            self.register_parameter("lambda_gate", None)
+        self.lambda_gate = DintLambdaGate(config.num_differential_heads) if config.lambda_gate else None
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` `[H/2]` where the config has it, from
-        the attention's input `x` `[B, T, hidden_size]`. The one lambda every integral path reads (fast path, the
+        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` where the config has it, from the
+        attention's input `x` `[B, T, hidden_size]`. The one lambda every integral path reads (fast path, the
         materializing path and `dint_attention_map`, the CPU kernel, continuous batching)."""
         lambda_ = torch.sigmoid(self.lambda_proj(hidden_states).float())
         if self.lambda_gate is not None:
-            lambda_ = lambda_ * self.lambda_gate.float()
+            lambda_ = self.lambda_gate(lambda_)
         return lambda_.unsqueeze(-1)
 
     def differential_outputs(
@@ -438,8 +449,8 @@ class DintPreTrainedModel(PreTrainedModel):
             init.normal_(module.lambda_k1, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_q2, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_k2, 0, self.config.lambda_std_dev)
-        elif isinstance(module, DintV2Attention) and module.lambda_gate is not None:
-            init.ones_(module.lambda_gate)
+        elif isinstance(module, DintLambdaGate):
+            init.ones_(module.weight)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):

@@ -79,9 +79,9 @@ def tiny_model(attn_implementation: str = "sdpa", dtype=torch.float32, seed: int
                 norm_weight.uniform_(0.5, 1.5)
             lambda_gate = getattr(layer.self_attn, "lambda_gate", None)
             if lambda_gate is not None:
-                lambda_gate.uniform_(0.5, 1.5)
-                lambda_gate[0] = 0.0
-                lambda_gate[-1] = -0.7
+                lambda_gate.weight.uniform_(0.5, 1.5)
+                lambda_gate.weight[0] = 0.0
+                lambda_gate.weight[-1] = -0.7
     return model
 
 

@@ -54,7 +54,7 @@ def naive_dint_attention(attention: DintAttention, hidden_states, position_embed
     else:  # v2: one per row and differential head, sigmoid(W_lambda x), times the head's gate (`lambda_gate`)
         lambda_full = torch.sigmoid(hidden_states.double() @ attention.lambda_proj.weight.double().T)
         if attention.config.lambda_gate:
-            lambda_full = lambda_full * attention.lambda_gate.double()
+            lambda_full = lambda_full * attention.lambda_gate.weight.double()
     half = num_heads // 2
     outputs = torch.zeros(batch_size, length, half, (2 if v1 else 1) * head_dim, dtype=torch.float64)
     for b in range(batch_size):

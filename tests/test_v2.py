@@ -168,16 +168,16 @@ def test_lambda_gate_multiplies_lambda_per_head_and_is_saved_in_fp32(tmp_path):
     scratch, saved and reloaded, fp32 in a bf16 load (as v1's lambda vectors)."""
     model = DintForCausalLM(tiny_config(**V2, lambda_gate=True)).eval()
     attention = model.model.layers[0].self_attn
-    assert torch.equal(attention.lambda_gate, torch.ones(model.config.num_attention_heads // 2))
+    assert torch.equal(attention.lambda_gate.weight, torch.ones(model.config.num_attention_heads // 2))
     with torch.no_grad():
-        attention.lambda_gate.copy_(torch.tensor([0.0, -0.5]))
+        attention.lambda_gate.weight.copy_(torch.tensor([0.0, -0.5]))
     hidden_states = torch.randn(2, 5, model.config.hidden_size)
     with torch.no_grad():
         expected = torch.sigmoid(hidden_states @ attention.lambda_proj.weight.T) * torch.tensor([0.0, -0.5])
         torch.testing.assert_close(attention.differential_lambda(hidden_states)[..., 0], expected)
     model.save_pretrained(tmp_path)
     reloaded = DintForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    gate = reloaded.model.layers[0].self_attn.lambda_gate
+    gate = reloaded.model.layers[0].self_attn.lambda_gate.weight
     assert reloaded.config.lambda_gate is True and gate.dtype == torch.float32
     assert torch.equal(gate, torch.tensor([0.0, -0.5]))
     without_gate = DintForCausalLM(tiny_config(**V2))

@@ -71,7 +71,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from ..configuration_dint import DintConfig
 from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
 from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
-from ..modeling_dint import DintHeadRMSNorm, reparameterized_lambda
+from ..modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
 
 
 WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
@@ -119,7 +119,7 @@ def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
 
 
 def load_rank_rows(parameter: nn.Parameter, loaded_weight: torch.Tensor, tp_rank: int) -> None:
-    """Loads rank `tp_rank`'s contiguous block of rows of a checkpoint tensor (v2's `lambda_gate`, one row per
+    """Loads rank `tp_rank`'s contiguous block of rows of a checkpoint tensor (v2's `lambda_gate.weight`, one row per
     differential head, sharded as `lambda_proj`'s rows)."""
     rows = parameter.shape[0]
     parameter.data.copy_(loaded_weight.narrow(0, tp_rank * rows, rows))
@@ -654,10 +654,9 @@ class DintVllmAttention(nn.Module):
             )
             self.lambda_gate = None
             if config.lambda_gate:  # this rank's rows of the gate, as lambda_proj's (ColumnParallelLinear: contiguous)
-                self.lambda_gate = nn.Parameter(
-                    torch.ones(config.num_differential_heads // tp_size, dtype=torch.float32), requires_grad=False
-                )
-                self.lambda_gate.weight_loader = partial(load_rank_rows, tp_rank=get_tensor_model_parallel_rank())
+                self.lambda_gate = DintLambdaGate(config.num_differential_heads // tp_size)
+                self.lambda_gate.weight.requires_grad_(False)
+                self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=get_tensor_model_parallel_rank())
         self.head_norm = None
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
@@ -676,7 +675,7 @@ class DintVllmAttention(nn.Module):
             lambda_proj, _ = self.lambda_proj(hidden_states)
             lambda_ = torch.sigmoid(lambda_proj.float())
             if self.lambda_gate is not None:  # `config.lambda_gate`, as `DintV2Attention.differential_lambda`
-                lambda_ = lambda_ * self.lambda_gate
+                lambda_ = self.lambda_gate(lambda_)
             return attn_output[:, :, 0], attn_output[:, :, 1], lambda_.unsqueeze(-1)
         # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
         query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
