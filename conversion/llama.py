@@ -41,7 +41,7 @@ LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """Source `model_type`s this converter accepts: a pre-RMSNorm decoder with RoPE, SwiGLU and Llama's tensor names."""
 
 HEAD_INITS = ("copy", "duplicate")
-"""v1's ways to initialize the differential heads (`head_init`); the v2 conversion has one (see the module docstring)."""
+"""v1's ways to initialize the differential heads (`head_init`); the v2 conversion has one (the module docstring)."""
 
 DIFFERENTIAL_ATTENTIONS = ("v1", "v2")
 

@@ -86,8 +86,9 @@ def plan_reference_diff_v2_to_dint(
         known = {prefix + name for name in (*REFERENCE_V2_ATTENTION_NAMES, output_projection)}
         if found - known:
             raise ValueError(
-                f"Not a DIFF V2 (MultiheadFlashDiffV2) checkpoint: unexpected attention tensors {sorted(found - known)} "
-                f"(the module has {(*REFERENCE_V2_ATTENTION_NAMES, 'o_proj.weight')} and no bias or norm)."
+                f"Not a DIFF V2 (MultiheadFlashDiffV2) checkpoint: unexpected attention tensors "
+                f"{sorted(found - known)} (the module has {(*REFERENCE_V2_ATTENTION_NAMES, 'o_proj.weight')} and no "
+                "bias or norm)."
             )
         plan.derive(prefix + "q_proj.weight", gathered_heads, prefix + "q_proj.weight", head_sources=list(query_heads),
                     head_dim=head_dim, channel_order=channel_order)
@@ -109,9 +110,12 @@ def _output_projection_name(source, prefix: str) -> str:
     missing = [prefix + name for name in REFERENCE_V2_ATTENTION_NAMES if prefix + name not in source]
     present = [name for name in OUTPUT_PROJECTION_NAMES if prefix + name in source]
     if missing or len(present) != 1:
-        problem = f"missing {missing}" if missing else (
-            f"both {[prefix + name for name in present]}" if present else f"no output projection {OUTPUT_PROJECTION_NAMES}"
-        )
+        if missing:
+            problem = f"missing {missing}"
+        elif present:
+            problem = f"both {[prefix + name for name in present]}"
+        else:
+            problem = f"no output projection {OUTPUT_PROJECTION_NAMES}"
         raise ValueError(
             f"Not a DIFF V2 (MultiheadFlashDiffV2) checkpoint: {problem} (expected {REFERENCE_V2_ATTENTION_NAMES} and "
             f"one of {OUTPUT_PROJECTION_NAMES} under 'model.layers.{{i}}.self_attn.')."

@@ -338,9 +338,9 @@ class DintConfig(PreTrainedConfig):
             )
         if self.lambda_gate and self.differential_attention != "v2":
             raise ValueError(
-                "`lambda_gate=True` needs differential_attention='v2' (it gates v2's lambda = sigmoid(lambda_proj(x))); "
-                f"got differential_attention={self.differential_attention!r}. v1's lambda can start at 0 without it "
-                "(dint-convert --head-init duplicate)."
+                "`lambda_gate=True` needs differential_attention='v2' (it gates v2's lambda, "
+                f"sigmoid(lambda_proj(x))); got differential_attention={self.differential_attention!r}. v1's lambda "
+                "can start at 0 without it (dint-convert --head-init duplicate)."
             )
         if self.attention_dropout:
             raise ValueError(
@@ -456,8 +456,8 @@ class DintConfig(PreTrainedConfig):
         `overrides` replace preset fields, e.g. `DintConfig.from_preset("tiny", integral="softmax")`. An override
         of `differential_attention` that switches the preset's layout gives the new layout's defaults for the
         fields whose value depends on the layout (`LAYOUT_FIELDS`: v1's head norm, lambda_init, lambda vectors and
-        one pass; v2's lambda gate) unless they are overridden too; the sizes stay the preset's, and where they do not fit the
-        new layout the error names the twin preset that does.
+        one pass; v2's lambda gate) unless they are overridden too; the sizes stay the preset's, and where they do
+        not fit the new layout the error names the twin preset that does.
         """
         available = preset_names()
         if name not in available:

@@ -11,8 +11,8 @@ import json
 import peft
 import pytest
 import torch
-from test_conversion import TINY, TOKENIZER_DIR, input_ids, load_dint, load_example_module, logits_of, make_model
-from test_conversion import reference_rms_norm, reference_rope_interleaved
+from test_conversion import TINY, TOKENIZER_DIR, chat_prompt, input_ids, load_dint, logits_of, make_model
+from test_conversion import decoder_forward, reference_rope_interleaved, smollm2_llama_dir
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -49,7 +49,8 @@ def cache_tensors(model, ids):
 
 LLAMA_FAMILY = [
     pytest.param(LlamaForCausalLM, LlamaConfig, {}, id="llama-gqa"),
-    pytest.param(LlamaForCausalLM, LlamaConfig, {"num_attention_heads": 9, "num_key_value_heads": 3}, id="smollm2-heads"),
+    pytest.param(LlamaForCausalLM, LlamaConfig, {"num_attention_heads": 9, "num_key_value_heads": 3},
+                 id="smollm2-heads"),
     pytest.param(LlamaForCausalLM, LlamaConfig, {"num_attention_heads": 3, "num_key_value_heads": 3,
                                                  "tie_word_embeddings": True}, id="llama-mha-tied"),
     pytest.param(MistralForCausalLM, MistralConfig, {"sliding_window": None}, id="mistral"),
@@ -90,7 +91,8 @@ def test_llama_family_to_v2_starts_at_the_source_with_its_kv_cache(tmp_path, mod
     ids = input_ids()
     torch.testing.assert_close(logits_of(dint, ids), logits_of(source, ids), rtol=0, atol=1e-5)
     # The KV cache is the source's, tensor for tensor (so are its bytes per token).
-    for (dint_keys, dint_values), (keys, values) in zip(cache_tensors(dint, ids), cache_tensors(source, ids), strict=True):
+    pairs = zip(cache_tensors(dint, ids), cache_tensors(source, ids), strict=True)
+    for (dint_keys, dint_values), (keys, values) in pairs:
         torch.testing.assert_close(dint_keys, keys, rtol=0, atol=1e-6)
         torch.testing.assert_close(dint_values, values, rtol=0, atol=1e-6)
 
@@ -135,6 +137,17 @@ class RepeatingPatterns(torch.utils.data.Dataset):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
+def train_with_trainer(model, output_dir, steps: int = 25, learning_rate: float = 1e-2) -> list[float]:
+    """`steps` of transformers' Trainer (AdamW, linear decay) on `RepeatingPatterns`, batch 4; the logged losses."""
+    arguments = TrainingArguments(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
+                                  learning_rate=learning_rate, warmup_steps=0, logging_steps=5, save_strategy="no",
+                                  report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model.train(), args=arguments, train_dataset=RepeatingPatterns())
+    trainer.train()
+    model.eval()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
 def converted_v2(tmp_path, **convert_options) -> DintForCausalLM:
     source = make_model(LlamaForCausalLM, LlamaConfig, num_attention_heads=9, num_key_value_heads=3)
     source.save_pretrained(tmp_path / "source")
@@ -162,11 +175,7 @@ def test_converted_v2_trains_with_trainer_and_lambda_and_the_integral_leave_the_
     with torch.no_grad():
         start_loss = dint(input_ids=probe, labels=probe).loss.item()
 
-    arguments = TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=25, per_device_train_batch_size=4,
-                                  learning_rate=1e-2, warmup_steps=0, logging_steps=5, save_strategy="no",
-                                  report_to="none", use_cpu=True, disable_tqdm=True, seed=0)
-    Trainer(model=dint.train(), args=arguments, train_dataset=RepeatingPatterns()).train()
-    dint.eval()
+    train_with_trainer(dint, tmp_path / "trainer")
 
     with torch.no_grad():
         assert dint(input_ids=probe, labels=probe).loss.item() < start_loss - 0.5
@@ -184,8 +193,8 @@ def test_converted_v2_trains_with_trainer_and_lambda_and_the_integral_leave_the_
 
 def test_lora_on_the_converted_v2_trains_the_gate_saves_and_reloads(tmp_path):
     """LoRA on the projections and on lambda_proj (an ordinary Linear), the gate fully trained through
-    `modules_to_save=["lambda_gate"]`: the adapter saves and reloads onto the converted model with the same logits,
-    and merges into a plain DINT."""
+    `modules_to_save=["lambda_gate"]`, with Trainer: the adapter saves and reloads onto the converted model with the
+    same logits, and merges into a plain DINT."""
     dint = converted_v2(tmp_path)
     lora_config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"],
@@ -194,19 +203,10 @@ def test_lora_on_the_converted_v2_trains_the_gate_saves_and_reloads(tmp_path):
     trainable = {name for name, parameter in lora_model.named_parameters() if parameter.requires_grad}
     assert any("lambda_proj.lora_A" in name for name in trainable)
     assert any("lambda_gate" in name and "modules_to_save" in name for name in trainable)
-    rows = RepeatingPatterns().rows[:4]
-    optimizer = torch.optim.AdamW([p for p in lora_model.parameters() if p.requires_grad], lr=1e-2)
-    lora_model.train()
-    losses = []
-    for _ in range(20):
-        loss = lora_model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_with_trainer(lora_model, tmp_path / "trainer")
     assert losses[-1] < losses[0] - 0.5, losses
-    lora_model.eval()
-    gates = [layer.self_attn.lambda_gate.modules_to_save["default"].weight for layer in lora_model.base_model.model.model.layers]
+    layers = lora_model.base_model.model.model.layers
+    gates = [layer.self_attn.lambda_gate.modules_to_save["default"].weight for layer in layers]
     assert all(gate.abs().max() > 1e-2 for gate in gates)
 
     probe = RepeatingPatterns(count=2, seed=1).rows
@@ -334,19 +334,9 @@ def make_reference_v2_model(num_heads, num_kv_heads, head_dim, output_name="o_pr
 
 def reference_v2_forward(state, ids, num_heads, num_kv_heads, head_dim, rotary="interleaved"):
     """The DIFF V2 decoder's logits: Llama's pre-RMSNorm blocks with `reference_diff_v2_attention`."""
-    eps = TINY["rms_norm_eps"]
-    x = state["model.embed_tokens.weight"][ids]
-    for layer_idx in range(TINY["num_hidden_layers"]):
-        prefix = f"model.layers.{layer_idx}."
-        attention_prefix = prefix + "self_attn."
-        weights = {k[len(attention_prefix):]: v for k, v in state.items() if k.startswith(attention_prefix)}
-        h = reference_rms_norm(x, state[prefix + "input_layernorm.weight"], eps)
-        x = x + reference_diff_v2_attention(h, weights, num_heads, num_kv_heads, head_dim, 10000.0, rotary)
-        h = reference_rms_norm(x, state[prefix + "post_attention_layernorm.weight"], eps)
-        gate, up = h @ state[prefix + "mlp.gate_proj.weight"].T, h @ state[prefix + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ state[prefix + "mlp.down_proj.weight"].T
-    x = reference_rms_norm(x, state["model.norm.weight"], eps)
-    return x @ state["lm_head.weight"].T
+    return decoder_forward(state, ids, lambda h, weights, _: reference_diff_v2_attention(
+        h, weights, num_heads, num_kv_heads, head_dim, 10000.0, rotary
+    ))
 
 
 def save_reference_v2(directory, config, state):
@@ -409,25 +399,17 @@ def test_diff_v2_converter_refuses_what_is_not_the_module(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_converts_to_v2_at_its_kv_cache_and_function(tmp_path):
-    pytest.importorskip("gguf")
-    example = load_example_module()
-    try:
-        example.locate_smollm2_gguf()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    llama_dir = example.save_smollm2_as_llama(tmp_path / "llama")
+    llama_dir = smollm2_llama_dir(tmp_path / "llama")
     convert_checkpoint(llama_dir, tmp_path / "dint", differential_attention="v2", progress=False)
     llama = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     dint = load_dint(tmp_path / "dint")
     assert (dint.config.num_attention_heads, dint.config.num_key_value_heads) == (18, 3)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "dint")
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Who wrote Macbeth?"}], add_generation_prompt=True, return_tensors="pt",
-        return_dict=True,
-    )
+    prompt = chat_prompt(tokenizer)
     ids = prompt["input_ids"]
     torch.testing.assert_close(logits_of(dint, ids), logits_of(llama, ids), rtol=0, atol=2e-4)
-    for (dint_keys, dint_values), (keys, values) in zip(cache_tensors(dint, ids), cache_tensors(llama, ids), strict=True):
+    pairs = zip(cache_tensors(dint, ids), cache_tensors(llama, ids), strict=True)
+    for (dint_keys, dint_values), (keys, values) in pairs:
         assert dint_keys.shape == keys.shape and dint_values.shape == values.shape  # the KV bytes per token
         torch.testing.assert_close(dint_keys, keys, rtol=0, atol=1e-4)
     generated_by_llama = llama.generate(**prompt, max_new_tokens=12, do_sample=False)

@@ -102,6 +102,7 @@ def test_switching_a_presets_layout_gives_that_layouts_defaults():
 
 
 def test_paper_preset_switched_to_v2_names_its_twin():
-    with pytest.raises(ValueError, match=r"`num_key_value_heads` \(24\) must divide .* DintConfig.from_preset\('3b-v2'\)"):
+    expected = r"`num_key_value_heads` \(24\) must divide .* DintConfig.from_preset\('3b-v2'\)"
+    with pytest.raises(ValueError, match=expected):
         DintConfig.from_preset("3b", differential_attention="v2")
     assert DintConfig.from_preset("3b", differential_attention="v2", num_key_value_heads=12).num_key_value_heads == 12

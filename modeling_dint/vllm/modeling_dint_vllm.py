@@ -656,7 +656,8 @@ class DintVllmAttention(nn.Module):
             if config.lambda_gate:  # this rank's rows of the gate, as lambda_proj's (ColumnParallelLinear: contiguous)
                 self.lambda_gate = DintLambdaGate(config.num_differential_heads // tp_size)
                 self.lambda_gate.weight.requires_grad_(False)
-                self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=get_tensor_model_parallel_rank())
+                tp_rank = get_tensor_model_parallel_rank()
+                self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=tp_rank)
         self.head_norm = None
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
