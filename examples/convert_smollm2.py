@@ -31,7 +31,7 @@ The same training follows (lambda_proj and the gate at the lambda learning rate)
 cache bytes per token of SmolLM2, of the v1 (`duplicate`) conversion and of v2 (measured on the caches of a forward),
 lambda's statistics on the held-out text, and greedy answers of SmolLM2 and of the trained DINT-V2.
 
-    python examples/convert_smollm2.py --differential-attention v2   # ~20 minutes on 2 CPU cores
+    python examples/convert_smollm2.py --differential-attention v2   # as long as v1's; 84 min on 2 loaded cores
 """
 
 import argparse
