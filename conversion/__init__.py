@@ -9,7 +9,7 @@ convert_checkpoint("path/to/llama", "path/to/dint", integral="mean", dtype="bflo
 
 Library functions that work on in-memory state dicts return a `ConversionPlan` (`plan.state_dict()`,
 `plan.build_model()`): `plan_llama_to_dint`, `plan_diffllama_to_dint`, `plan_dint_to_diffllama`,
-`plan_reference_diff_to_dint`.
+`plan_reference_diff_to_dint`, `plan_reference_diff_v2_to_dint`.
 """
 
 from .checkpoint import CheckpointReader, ShardedSafetensorsWriter, atomic_output_dir, remove_leftovers
@@ -20,7 +20,14 @@ from .diffllama import (
     plan_diffllama_to_dint,
     plan_dint_to_diffllama,
 )
-from .llama import HEAD_INITS, LLAMA_FAMILY_MODEL_TYPES, dint_config_from_llama, plan_llama_to_dint
+from .llama import (
+    DIFFERENTIAL_ATTENTIONS,
+    HEAD_INITS,
+    LLAMA_FAMILY_MODEL_TYPES,
+    dint_config_from_llama,
+    paired_query_heads,
+    plan_llama_to_dint,
+)
 from .plan import ConversionPlan
 from .reference import (
     ROTARY_LAYOUTS,
@@ -28,11 +35,13 @@ from .reference import (
     plan_reference_diff_to_dint,
     reference_head_mapping,
 )
+from .reference_v2 import plan_reference_diff_v2_to_dint
 
 
 __all__ = [
     "CheckpointReader",
     "ConversionPlan",
+    "DIFFERENTIAL_ATTENTIONS",
     "HEAD_INITS",
     "LLAMA_FAMILY_MODEL_TYPES",
     "ROTARY_LAYOUTS",
@@ -45,11 +54,13 @@ __all__ = [
     "dint_config_from_diffllama",
     "dint_config_from_llama",
     "interleaved_to_half_permutation",
+    "paired_query_heads",
     "plan_conversion",
     "plan_diffllama_to_dint",
     "plan_dint_to_diffllama",
     "plan_llama_to_dint",
     "plan_reference_diff_to_dint",
+    "plan_reference_diff_v2_to_dint",
     "reference_head_mapping",
     "remove_leftovers",
 ]

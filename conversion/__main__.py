@@ -10,7 +10,7 @@ from modeling_dint.configuration_dint import INTEGRAL_MODES
 
 from .checkpoint import DTYPES
 from .convert import SOURCE_FORMATS, convert_checkpoint
-from .llama import HEAD_INITS
+from .llama import DIFFERENTIAL_ATTENTIONS, HEAD_INITS
 from .reference import ROTARY_LAYOUTS
 
 
@@ -19,8 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dint-convert",
         description=(
             "Convert a Hugging Face checkpoint folder to DINT: Llama / Mistral / Qwen2 (tensors copied, new lambda "
-            "vectors and head norms), DiffLlama (one to one), Microsoft's reference Diff-Transformer layout "
-            "(--source-format reference-diff); or a DINT model with integral 'none' to DiffLlama."
+            "vectors and head norms; or --differential-attention v2: DIFF V2's layout at the source's KV cache and "
+            "function), DiffLlama (one to one), Microsoft's reference Diff-Transformer layout (--source-format "
+            "reference-diff) and its DIFF V2 attention (--source-format reference-diff-v2); or a DINT model with "
+            "integral 'none' to DiffLlama."
         ),
     )
     parser.add_argument("source", help="source checkpoint folder (config.json + safetensors or .bin weights)")
@@ -31,14 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of the written weights; 'auto' keeps the source's (default: auto)")
     parser.add_argument("--integral", default="mean", choices=INTEGRAL_MODES,
                         help="integral mode of the DINT model; 'none' is plain DIFF attention (default: mean)")
-    parser.add_argument("--head-init", default="copy", choices=HEAD_INITS,
-                        help="Llama-family sources: 'copy' the tensors (needs even head counts) or 'duplicate' every "
-                             "head so the DINT model computes the source's function exactly (default: copy)")
+    parser.add_argument("--differential-attention", default=None, choices=DIFFERENTIAL_ATTENTIONS,
+                        help="Llama-family sources: the DINT head layout, 'v1' (the paper's) or 'v2' (DIFF V2's: "
+                             "the source's KV cache, q_proj twice as wide, starts at the source's function with a "
+                             "lambda gate at 0) (default: v1)")
+    parser.add_argument("--head-init", default=None, choices=HEAD_INITS,
+                        help="Llama-family sources to v1: 'copy' the tensors (needs even head counts) or 'duplicate' "
+                             "every head so the DINT model computes the source's function exactly (default: copy)")
     parser.add_argument("--lambda-std-dev", type=float, default=None,
-                        help="Llama-family sources: std of the new lambda vectors (default: 0.1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the new lambda vectors (default: 0)")
+                        help="Llama-family sources to v1: std of the new lambda vectors (default: 0.1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the new lambda vectors (v1) or lambda_proj (v2) (default: 0)")
     parser.add_argument("--rotary", default="interleaved", choices=ROTARY_LAYOUTS,
-                        help="reference-diff sources: RoPE channel layout of the checkpoint (default: interleaved)")
+                        help="reference-diff and reference-diff-v2 sources: RoPE channel layout of the checkpoint "
+                             "(default: interleaved)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors shard, e.g. 5GB or 500MB (default: 5GB)")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
@@ -62,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda_std_dev=args.lambda_std_dev,
             seed=args.seed,
             rotary=args.rotary,
+            differential_attention=args.differential_attention,
             max_shard_size=args.max_shard_size,
             force=args.force,
             progress=not args.quiet,

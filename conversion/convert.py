@@ -2,10 +2,13 @@
 """`convert_checkpoint`: one checkpoint folder in, one converted `save_pretrained`-style folder out.
 
 Source formats:
-- `llama` (model_type llama, mistral or qwen2) -> DINT (`head_init="copy"` or `"duplicate"`, see `llama.py`);
+- `llama` (model_type llama, mistral or qwen2) -> DINT: v1 (`head_init="copy"` or `"duplicate"`) or, with
+  `differential_attention="v2"`, DIFF V2's layout at the source's KV cache and function (see `llama.py`);
 - `diffllama` -> DINT (see `diffllama.py`);
 - `dint` -> DiffLlama, for a DINT model with `integral="none"` (see `diffllama.py`);
-- `reference-diff`: Microsoft's reference Diff-Transformer layout -> DINT (see `reference.py`); never auto-detected.
+- `reference-diff`: Microsoft's reference Diff-Transformer layout -> DINT (see `reference.py`); never auto-detected;
+- `reference-diff-v2`: Microsoft's DIFF V2 attention (`MultiheadFlashDiffV2`) -> DINT v2 (see `reference_v2.py`);
+  never auto-detected.
 """
 
 import contextlib
@@ -36,6 +39,7 @@ from .diffllama import plan_diffllama_to_dint, plan_dint_to_diffllama
 from .llama import LLAMA_FAMILY_MODEL_TYPES, plan_llama_to_dint
 from .plan import ConversionPlan, attention_sizes
 from .reference import plan_reference_diff_to_dint
+from .reference_v2 import plan_reference_diff_v2_to_dint
 
 
 logger = logging.getLogger(__name__)
@@ -45,31 +49,60 @@ class ConversionOptions:
     """The choices a planner may read (each reads its own; see `convert_checkpoint` for their meaning)."""
 
     integral: str = "mean"
-    head_init: str = "copy"
+    head_init: str | None = None
     lambda_std_dev: float | None = None
     seed: int = 0
     rotary: str = "interleaved"
+    differential_attention: str | None = None
 
 
 def _plan_llama(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
     return plan_llama_to_dint(
-        source, source_config, options.integral, options.head_init, options.lambda_std_dev, options.seed
+        source, source_config, options.integral, options.head_init, options.lambda_std_dev, options.seed,
+        options.differential_attention or "v1",
     )
 
 
 def _plan_diffllama(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    _refuse_another_layout("diffllama", "v1", options)
     return plan_diffllama_to_dint(source, source_config, options.integral)
 
 
 def _plan_dint(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    if options.differential_attention is not None:
+        raise ValueError(
+            "`differential_attention` chooses the head layout of a DINT model converted from Llama-family sources; a "
+            "DINT model converts to DiffLlama, whose layout is fixed. Leave it unset."
+        )
     return plan_dint_to_diffllama(source, source_config)
 
 
 def _plan_reference_diff(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    _refuse_another_layout("reference-diff", "v1", options)
     return plan_reference_diff_to_dint(source, source_config, options.integral, options.rotary)
 
 
-PLANNERS = {"llama": _plan_llama, "diffllama": _plan_diffllama, "dint": _plan_dint, "reference-diff": _plan_reference_diff}
+def _plan_reference_diff_v2(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
+    _refuse_another_layout("reference-diff-v2", "v2", options)
+    return plan_reference_diff_v2_to_dint(source, source_config, options.integral, options.rotary)
+
+
+def _refuse_another_layout(source_format: str, layout: str, options: ConversionOptions) -> None:
+    """A source format whose head layout is fixed converts to that layout only."""
+    if options.differential_attention not in (None, layout):
+        raise ValueError(
+            f"A {source_format!r} source converts to differential_attention={layout!r} (its own head layout), got "
+            f"differential_attention={options.differential_attention!r}. Only Llama-family sources choose the layout."
+        )
+
+
+PLANNERS = {
+    "llama": _plan_llama,
+    "diffllama": _plan_diffllama,
+    "dint": _plan_dint,
+    "reference-diff": _plan_reference_diff,
+    "reference-diff-v2": _plan_reference_diff_v2,
+}
 """Source format -> planner `(CheckpointReader of the source folder, source config, ConversionOptions) ->
 ConversionPlan`; a new source format is one more entry."""
 
@@ -97,7 +130,8 @@ source config's sizes: what `check_source_matches_config` compares before anythi
 
 def load_source_config(source_dir: Path, source_format: str):
     """The source config: transformers' config class for its `model_type` (a `DintConfig` of the reference model's
-    dimensions for `reference-diff`, which has no config class of its own).
+    dimensions for `reference-diff` and `reference-diff-v2`, which have no config class of their own; v2's is a v2
+    `DintConfig`: `num_attention_heads` = 2h query heads, `head_dim` defaulting to `hidden_size / h` as Microsoft's).
 
     Raises:
         ValueError: a config.json that is not a JSON object or fails its config class's validation, naming the file.
@@ -105,9 +139,12 @@ def load_source_config(source_dir: Path, source_format: str):
     config_file = source_dir / "config.json"
     fields = read_config_json(source_dir)
     try:
-        if source_format == "reference-diff":
-            return DintConfig(**{key: value for key, value in fields.items()
-                                 if key not in ("model_type", "architectures", "auto_map")})
+        if source_format in ("reference-diff", "reference-diff-v2"):
+            fields = {key: value for key, value in fields.items()
+                      if key not in ("model_type", "architectures", "auto_map")}
+            if source_format == "reference-diff-v2":
+                fields.setdefault("differential_attention", "v2")
+            return DintConfig(**fields)
         return AutoConfig.from_pretrained(source_dir)
     except StrictDataclassError as error:  # a config validator's error, wrapped over several lines
         reason = error.__cause__ or error
@@ -169,7 +206,8 @@ def detect_source_format(source_dir: str | Path) -> str:
     raise ValueError(
         f"Unsupported architecture: model_type={model_type!r} in {str(config_file)!r}. Supported: "
         f"{LLAMA_FAMILY_MODEL_TYPES} (-> DINT), 'diffllama' (-> DINT), 'dint' (-> DiffLlama), and Microsoft's "
-        f"reference Diff-Transformer layout with --source-format reference-diff."
+        f"reference Diff-Transformer layout with --source-format reference-diff (its DIFF V2 attention: "
+        f"--source-format reference-diff-v2)."
     )
 
 
@@ -177,10 +215,11 @@ def plan_conversion(
     source_dir: str | Path,
     source_format: str = "auto",
     integral: str = "mean",
-    head_init: str = "copy",
+    head_init: str | None = None,
     lambda_std_dev: float | None = None,
     seed: int = 0,
     rotary: str = "interleaved",
+    differential_attention: str | None = None,
 ) -> ConversionPlan:
     """Reads the source config, checks the checkpoint against it (`check_source_matches_config`), and plans the
     conversion (no tensor is computed yet; `plan.source` is the one `CheckpointReader` of the source folder).
@@ -198,7 +237,7 @@ def plan_conversion(
     source_config = load_source_config(source_dir, source_format)
     source = CheckpointReader(source_dir)
     check_source_matches_config(source, source_config, source_dir / "config.json")
-    options = ConversionOptions(integral, head_init, lambda_std_dev, seed, rotary)
+    options = ConversionOptions(integral, head_init, lambda_std_dev, seed, rotary, differential_attention)
     try:
         return PLANNERS[source_format](source, source_config, options)
     except StrictDataclassError as error:  # the converted config's validator, wrapped over several lines
@@ -212,10 +251,11 @@ def convert_checkpoint(
     source_format: str = "auto",
     dtype: str | torch.dtype | None = "auto",
     integral: str = "mean",
-    head_init: str = "copy",
+    head_init: str | None = None,
     lambda_std_dev: float | None = None,
     seed: int = 0,
     rotary: str = "interleaved",
+    differential_attention: str | None = None,
     max_shard_size: int | str = "5GB",
     force: bool = False,
     progress: bool = True,
@@ -234,10 +274,14 @@ def convert_checkpoint(
         source_format: `"auto"` (from config.json's model_type) or one of `SOURCE_FORMATS`.
         dtype: `"auto"` (the source's), `"float32"`, `"float16"` or `"bfloat16"`. The lambda vectors stay fp32.
         integral: the DINT model's integral mode (ignored for DINT -> DiffLlama).
-        head_init: Llama-family sources: `"copy"` or `"duplicate"`.
-        lambda_std_dev: Llama-family sources: std of the new lambda vectors (default 0.1).
-        seed: Llama-family sources: seed of the new lambda vectors.
-        rotary: reference-diff sources: `"interleaved"` (the reference code's RoPE) or `"half"`.
+        head_init: Llama-family sources to v1: `"copy"` (None means it) or `"duplicate"`.
+        lambda_std_dev: Llama-family sources to v1: std of the new lambda vectors (default 0.1).
+        seed: Llama-family sources: seed of the new lambda vectors (v1) or `lambda_proj` (v2).
+        rotary: reference-diff and reference-diff-v2 sources: `"interleaved"` (the reference code's RoPE) or
+            `"half"`.
+        differential_attention: Llama-family sources: the DINT head layout, `"v1"` (None means it) or `"v2"` (DIFF
+            V2's, at the source's KV cache, starting at the source's function with `lambda_gate` at 0). Other
+            sources convert to their own layout (None, or that layout).
         max_shard_size: largest shard, e.g. `"5GB"`.
         force: replace an existing `output_dir`.
         progress: show a progress bar, one step per tensor.
@@ -252,7 +296,9 @@ def convert_checkpoint(
         FileExistsError: `output_dir` exists and not `force`.
         OSError: the output cannot be written.
     """
-    plan = plan_conversion(source_dir, source_format, integral, head_init, lambda_std_dev, seed, rotary)
+    plan = plan_conversion(
+        source_dir, source_format, integral, head_init, lambda_std_dev, seed, rotary, differential_attention
+    )
     reader_dtype = resolve_dtype(dtype, plan.source)
     plan.config.dtype = str(reader_dtype).removeprefix("torch.")
     with torch.device("meta"):

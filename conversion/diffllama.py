@@ -57,10 +57,18 @@ def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
     """The DiffLlama config of a DINT model; refuses a DINT model that DiffLlama cannot represent.
 
     Raises:
-        ValueError: `integral` other than "none", no head norm, a constant `lambda_init`, or an MLP bias.
+        ValueError: the v2 head layout, `integral` other than "none", no head norm, a constant `lambda_init`, or an
+            MLP bias.
     """
     if source_config.model_type != "dint":
         raise ValueError(f"Expected a DINT config (model_type 'dint'), got {source_config.model_type!r}.")
+    if source_config.differential_attention != "v1":
+        raise ValueError(
+            f"Cannot convert a DINT model with differential_attention={source_config.differential_attention!r} to "
+            "DiffLlama: DiffLlama has DIFF V1's head layout only (the first half of the query heads are signal maps, "
+            "each differential head reads 2*head_dim value channels, one lambda per layer); DIFF V2's layout (pairs "
+            "of query heads over one KV head, lambda per token) has no DiffLlama equivalent. Only v1 models convert."
+        )
     if source_config.integral != "none":
         raise ValueError(
             f"Cannot convert a DINT model with integral={source_config.integral!r} to DiffLlama: DiffLlama has no "

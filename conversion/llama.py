@@ -16,6 +16,15 @@ is off (`head_norm=False`). Then `A_final = A1 - 0*A2 + 0*G = A1`: the converted
 logits (up to float rounding) for every integral mode, and training moves lambda away from 0. It works for any head
 count (SmolLM2-135M has 9 heads and 3 key/value heads, which `copy` cannot pair), at the price of doubling the
 attention projections and the KV cache.
+
+`differential_attention="v2"` converts into DIFF V2's layout (docs/design.md section 10) and keeps the function at
+the source's KV cache: q_proj becomes 2h query heads, heads 2i (signal) and 2i+1 (noise) both copies of source head
+i, so pair i sits in source head i's GQA group; k_proj, v_proj and o_proj are the source's (the KV cache is the
+source's, tensor for tensor); `lambda_proj` is new (normal(0, the source's initializer_range), seeded). V2's lambda,
+`sigmoid(lambda_proj(x))`, is never 0, so the converted config turns on `lambda_gate` (a departure from DIFF V2: a
+learned gate per differential head on lambda) and the converter writes the gates as 0: `out_i = O1_i - 0 * lambda_i *
+(O2_i - S_i / c) = O1_i`, the source head's output, for every integral mode. The gate gets a gradient from the first
+step (`-lambda_i (O2_i - S_i / c)`, not 0), and `lambda_proj` and the noise queries as soon as the gate leaves 0.
 """
 
 import math
@@ -32,6 +41,9 @@ LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """Source `model_type`s this converter accepts: a pre-RMSNorm decoder with RoPE, SwiGLU and Llama's tensor names."""
 
 HEAD_INITS = ("copy", "duplicate")
+"""v1's ways to initialize the differential heads (`head_init`); the v2 conversion has one (the module docstring)."""
+
+DIFFERENTIAL_ATTENTIONS = ("v1", "v2")
 
 SKIPPED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers that old Llama checkpoints store and DINT recomputes."""
@@ -40,14 +52,16 @@ SKIPPED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq",)
 def dint_config_from_llama(
     source_config: PreTrainedConfig,
     integral: str = "mean",
-    head_init: str = "copy",
+    head_init: str | None = None,
     lambda_std_dev: float | None = None,
+    differential_attention: str = "v1",
 ) -> DintConfig:
     """The DINT config of a converted Llama-family model; checks that its heads can be paired.
 
     Raises:
-        ValueError: an unsupported `model_type`, or head counts that `head_init="copy"` cannot pair (odd
-            `num_attention_heads` or `num_key_value_heads`).
+        ValueError: an unsupported `model_type`, head counts that `head_init="copy"` cannot pair (odd
+            `num_attention_heads` or `num_key_value_heads`), or a v1-only option (`head_init`, `lambda_std_dev`)
+            with `differential_attention="v2"`.
     """
     model_type = source_config.model_type
     if model_type not in LLAMA_FAMILY_MODEL_TYPES:
@@ -55,6 +69,15 @@ def dint_config_from_llama(
             f"Unsupported architecture for the Llama-family converter: model_type={model_type!r}; supported: "
             f"{LLAMA_FAMILY_MODEL_TYPES} (and 'diffllama', 'dint' through `convert_checkpoint`)."
         )
+    if differential_attention not in DIFFERENTIAL_ATTENTIONS:
+        raise ValueError(
+            f"`differential_attention` must be one of {DIFFERENTIAL_ATTENTIONS}, got {differential_attention!r}."
+        )
+    # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
+    attention_bias = True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False))
+    if differential_attention == "v2":
+        return _v2_config_from_llama(source_config, integral, head_init, lambda_std_dev, attention_bias)
+    head_init = "copy" if head_init is None else head_init
     if head_init not in HEAD_INITS:
         raise ValueError(f"`head_init` must be one of {HEAD_INITS}, got {head_init!r}.")
     num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
@@ -68,8 +91,6 @@ def dint_config_from_llama(
         )
     if head_init == "duplicate":
         num_heads, num_kv_heads = 2 * num_heads, 2 * num_kv_heads
-    # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
-    attention_bias = True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False))
     return DintConfig(
         **shared_decoder_fields(source_config),
         num_attention_heads=num_heads,
@@ -82,6 +103,34 @@ def dint_config_from_llama(
         lambda_std_dev=0.1 if lambda_std_dev is None else lambda_std_dev,
         head_norm=head_init == "copy",
         head_norm_affine=True,
+        architectures=["DintForCausalLM"],
+    )
+
+
+def _v2_config_from_llama(
+    source_config: PreTrainedConfig, integral: str, head_init: str | None, lambda_std_dev: float | None,
+    attention_bias: bool,
+) -> DintConfig:
+    """`dint_config_from_llama` for `differential_attention="v2"`: 2h query heads of the source's head_dim over its
+    KV heads (which divide h in any Llama-family config), no head norm, `lambda_gate` on."""
+    for name, value in (("head_init", head_init), ("lambda_std_dev", lambda_std_dev)):
+        if value is not None:
+            raise ValueError(
+                f"`{name}` ({value!r}) is for differential_attention='v1' (its head pairing and lambda vectors); "
+                "the v2 conversion has one initialization: each query head twice, k/v/o_proj as they are, a new "
+                "lambda_proj and the lambda gate at 0 (the source's function). Leave it unset."
+            )
+    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
+    return DintConfig(
+        **shared_decoder_fields(source_config),
+        differential_attention="v2",
+        num_attention_heads=2 * num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_bias=attention_bias,
+        mlp_bias=bool(getattr(source_config, "mlp_bias", False)),
+        integral=integral,
+        lambda_gate=True,
         architectures=["DintForCausalLM"],
     )
 
@@ -140,9 +189,10 @@ def plan_llama_to_dint(
     source,
     source_config: PreTrainedConfig,
     integral: str = "mean",
-    head_init: str = "copy",
+    head_init: str | None = None,
     lambda_std_dev: float | None = None,
     seed: int = 0,
+    differential_attention: str = "v1",
 ) -> ConversionPlan:
     """Plans the conversion of a Llama-family causal LM to `DintForCausalLM`.
 
@@ -151,11 +201,14 @@ def plan_llama_to_dint(
             names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
         source_config: the source model's config (`LlamaConfig`, `MistralConfig` or `Qwen2Config`).
         integral: the converted model's `integral` mode.
-        head_init: `"copy"` (tensors as they are) or `"duplicate"` (function-preserving, see the module docstring).
-        lambda_std_dev: standard deviation of the new lambda vectors (default: DINT's 0.1).
-        seed: seed of the new lambda vectors.
+        head_init: v1: `"copy"` (tensors as they are; None means it) or `"duplicate"` (function-preserving, see the
+            module docstring). v2: None (it has one initialization).
+        lambda_std_dev: v1: standard deviation of the new lambda vectors (default: DINT's 0.1). v2: None.
+        seed: seed of the new lambda vectors (v1) or of `lambda_proj` (v2).
+        differential_attention: the converted model's head layout, `"v1"` or `"v2"` (DIFF V2's, at the source's KV
+            cache and function: see the module docstring).
     """
-    config = dint_config_from_llama(source_config, integral, head_init, lambda_std_dev)
+    config = dint_config_from_llama(source_config, integral, head_init, lambda_std_dev, differential_attention)
     notes = []
     sliding_window = getattr(source_config, "sliding_window", None)
     if sliding_window and getattr(source_config, "use_sliding_window", True):
@@ -165,6 +218,10 @@ def plan_llama_to_dint(
         )
     plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
     plan.copy_source_tensors(skip=lambda name: name.endswith(SKIPPED_SOURCE_SUFFIXES))
+    if differential_attention == "v2":
+        plan_v2_attention(plan, seed)
+        return plan
+    head_init = "copy" if config.head_norm else "duplicate"
     lambda_vectors = initial_lambda_vectors(config, seed)
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."
@@ -189,6 +246,38 @@ def plan_llama_to_dint(
         f"differential heads), {config.num_key_value_heads} key/value heads, head_norm={config.head_norm}."
     )
     return plan
+
+
+def plan_v2_attention(plan: ConversionPlan, seed: int) -> None:
+    """The v2 attention tensors of `plan`, whose k/v/o_proj are the source's already: each query head twice, a zero
+    o_proj bias where the target has a bias and the source none (Qwen2), `lambda_proj` from normal(0,
+    initializer_range) with a generator seeded by `seed`, and the lambda gates at 0."""
+    config = plan.config
+    num_heads = config.num_differential_heads
+    generator = torch.Generator().manual_seed(seed)
+    for layer_idx in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        for kind in ("weight", "bias"):
+            name = f"{prefix}q_proj.{kind}"
+            if name in plan.tensors:
+                plan.derive(name, paired_query_heads, name, head_dim=config.head_dim)
+        if config.attention_bias and prefix + "o_proj.bias" not in plan.tensors:
+            plan.constant(prefix + "o_proj.bias", torch.zeros(config.hidden_size))
+        lambda_proj = torch.randn(num_heads, config.hidden_size, generator=generator) * config.initializer_range
+        plan.constant(prefix + "lambda_proj.weight", lambda_proj)
+        plan.constant(prefix + "lambda_gate.weight", torch.zeros(num_heads))
+    plan.notes.append(
+        f"differential_attention='v2': {config.num_attention_heads} query heads ({num_heads} differential heads, "
+        f"each source query head twice), {config.num_key_value_heads} key/value heads (the source's KV cache), "
+        "lambda gates at 0: the source's function."
+    )
+
+
+def paired_query_heads(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A query projection (or its bias) `[h*d, ...]` -> `[2h*d, ...]`, source head i at 2i (signal) and 2i+1
+    (noise)."""
+    per_head = rows.reshape(-1, 1, head_dim, *rows.shape[1:])
+    return per_head.expand(-1, 2, *per_head.shape[2:]).reshape(-1, *rows.shape[1:])
 
 
 def duplicated_rows(rows: torch.Tensor) -> torch.Tensor:

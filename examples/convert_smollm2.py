@@ -22,13 +22,25 @@ The script then measures held-out perplexity (examples/data/shakespeare_heldout.
 the Llama original, the converted DINT before training, the DINT after a short continued-training run with
 transformers' Trainer on examples/data/shakespeare_train.txt, and (control) the Llama after the same run; it prints a
 Markdown table for docs/conversion.md.
+
+`--differential-attention v2` converts into DIFF V2's layout instead (`dint-convert --differential-attention v2`):
+18 query heads (each SmolLM2 head twice) over SmolLM2's own 3 key/value heads, so the KV cache is SmolLM2's, with
+the lambda gate at 0, so the converted DINT-V2 computes SmolLM2's logits; only q_proj (+10.0M) and lambda_proj are
+new. The comparison row is the same weights with DIFF V2's own lambda (gate 1: lambda = sigmoid(lambda_proj(x))).
+The same training follows (lambda_proj and the gate at the lambda learning rate), then the script reports the KV
+cache bytes per token of SmolLM2, of the v1 (`duplicate`) conversion and of v2 (measured on the caches of a forward),
+lambda's statistics on the held-out text, and greedy answers of SmolLM2 and of the trained DINT-V2.
+
+    python examples/convert_smollm2.py --differential-attention v2   # as long as v1's; 84 min on 2 loaded cores
 """
 
 import argparse
+import datetime
 import importlib.metadata
 import json
 import math
 import os
+import platform
 import tempfile
 import time
 from pathlib import Path
@@ -114,6 +126,7 @@ class TokenChunks(torch.utils.data.Dataset):
 def continue_training(model, dataset, args, output_dir) -> list[float]:
     """A short Trainer run (AdamW; the DINT lambda vectors get their own, larger learning rate). Returns the logged
     training losses."""
+    # ".lambda_": v1's lambda vectors, v2's lambda_proj and lambda_gate
     lambda_params = [p for n, p in model.named_parameters() if ".lambda_" in n]
     other_params = [p for n, p in model.named_parameters() if ".lambda_" not in n]
     groups = [{"params": other_params, "lr": args.lr}]
@@ -156,6 +169,64 @@ def mean_abs_lambda(model) -> float:
     return sum(abs(layer.self_attn.lambda_full().item()) for layer in model.model.layers) / len(model.model.layers)
 
 
+@torch.no_grad()
+def v2_lambda_statistics(model, windows: torch.Tensor) -> dict:
+    """DINT-V2's lambda, `lambda_gate * sigmoid(lambda_proj(x))` per token, layer and head, over `windows`: its mean,
+    mean |lambda|, std, min and max, and the gates' mean |g| and max |g|."""
+    model.eval()
+    values = []
+    for batch in windows.split(4):
+        hidden_states = model(input_ids=batch, output_hidden_states=True).hidden_states
+        for layer, layer_input in zip(model.model.layers, hidden_states, strict=False):
+            values.append(layer.self_attn.differential_lambda(layer.input_layernorm(layer_input)).flatten())
+    values = torch.cat(values)
+    gates = torch.cat([layer.self_attn.lambda_gate.weight.detach().flatten() for layer in model.model.layers])
+    return {"mean": values.mean().item(), "mean_abs": values.abs().mean().item(), "std": values.std().item(),
+            "min": values.min().item(), "max": values.max().item(), "gate_mean_abs": gates.abs().mean().item(),
+            "gate_max_abs": gates.abs().max().item()}
+
+
+@torch.no_grad()
+def kv_bytes_per_token(model, tokens: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of K and V a model caches per token at `dtype`, measured on the cache of one forward over `tokens` `[1,
+    T]` (all layers; DINT's integral state is per sequence, not per token, and not counted)."""
+    output = model(input_ids=tokens, use_cache=True)
+    cache = output.cache if "cache" in output else output.past_key_values
+    elements = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+    return elements * torch.finfo(dtype).bits // 8 // tokens.numel()
+
+
+def diff_v2_lambda_copy(dint_dir: Path) -> DintForCausalLM:
+    """The converted DINT-V2 with DIFF V2's own lambda (every gate 1: lambda = sigmoid(lambda_proj(x)), about 0.5):
+    not SmolLM2's function; shows what the gate at 0 saves."""
+    model = DintForCausalLM.from_pretrained(dint_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lambda_gate.weight.fill_(1.0)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, question: str, max_new_tokens: int = 24) -> str:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    tokens = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(tokens[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def machine_line(threads: int) -> str:
+    """The date, CPU model, threads and load average the numbers were measured with."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{now}, {cpu}, {os.cpu_count()} cores, {threads} torch threads, load average {load}"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default=None, help="where the Llama and DINT folders go (default: a temp dir)")
@@ -170,17 +241,22 @@ def main(argv=None):
     parser.add_argument("--no-control", action="store_true", help="skip training the Llama control")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--differential-attention", default="v1", choices=["v1", "v2"],
+                        help="v1: --head-init duplicate (doubles the KV cache); v2: DIFF V2's layout at SmolLM2's KV "
+                             "cache, starting at its function with the lambda gate at 0")
     parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="dint-smollm2-"))
-    llama_dir, dint_dir = work_dir / "smollm2-llama", work_dir / "smollm2-dint"
+    v2 = args.differential_attention == "v2"
+    llama_dir, dint_dir = work_dir / "smollm2-llama", work_dir / ("smollm2-dint-v2" if v2 else "smollm2-dint")
+    print(machine_line(args.threads))
 
     started = time.time()
     if not (llama_dir / "config.json").is_file():
         save_smollm2_as_llama(llama_dir)
-    convert_checkpoint(llama_dir, dint_dir, head_init="duplicate", integral="mean", seed=args.seed, force=True,
-                       progress=False)
+    layout = {"differential_attention": "v2"} if v2 else {"head_init": "duplicate"}
+    convert_checkpoint(llama_dir, dint_dir, integral="mean", seed=args.seed, force=True, progress=False, **layout)
     print(f"converted in {time.time() - started:.0f}s -> {dint_dir}")
 
     tokenizer = AutoTokenizer.from_pretrained(dint_dir)
@@ -202,16 +278,40 @@ def main(argv=None):
 
     llama = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     dint = DintForCausalLM.from_pretrained(dint_dir, dtype=torch.float32)
+    question = "Who wrote Macbeth?"
+    samples = {"SmolLM2": greedy_answer(llama, tokenizer, question)}
     evaluate("SmolLM2-135M-Instruct (Llama, GGUF Q4_1 dequantized)", llama)
-    evaluate("DINT, converted (`--head-init duplicate`), before training", dint, "lambda = 0, no head norm")
-    evaluate("DINT, same heads with the paper's init, before training", paper_initialized_copy(dint_dir, llama_dir,
-             args.seed), "lambda ~ lambda_init, head norm on")
+    if v2:
+        kv_probe = windows[:1, :64]
+        kv_bytes = {"SmolLM2": kv_bytes_per_token(llama, kv_probe), "DINT-V2": kv_bytes_per_token(dint, kv_probe)}
+        duplicate_dir = work_dir / "smollm2-dint"
+        convert_checkpoint(llama_dir, duplicate_dir, head_init="duplicate", force=True, progress=False)
+        duplicate = DintForCausalLM.from_pretrained(duplicate_dir, dtype=torch.float32).eval()
+        kv_bytes["DINT-V1 (duplicate)"] = kv_bytes_per_token(duplicate, kv_probe)
+        parameters = {"DINT-V1 (duplicate)": sum(p.numel() for p in duplicate.parameters())}
+        del duplicate
+        print("KV cache bytes per token (bf16, K and V of all layers): "
+              + ", ".join(f"{name} {value}" for name, value in kv_bytes.items()))
+        evaluate("DINT-V2, converted (`--differential-attention v2`), before training", dint,
+                 "lambda gate 0: lambda = 0")
+        evaluate("DINT-V2, same weights with DIFF V2's lambda (gate 1), before training", diff_v2_lambda_copy(dint_dir),
+                 "lambda = sigmoid(lambda_proj(x)), about 0.5")
+    else:
+        evaluate("DINT, converted (`--head-init duplicate`), before training", dint, "lambda = 0, no head norm")
+        evaluate("DINT, same heads with the paper's init, before training", paper_initialized_copy(dint_dir, llama_dir,
+                 args.seed), "lambda ~ lambda_init, head norm on")
 
     started = time.time()
     dint_losses = continue_training(dint, dataset, args, work_dir / "trainer-dint")
     timings["train DINT"] = time.time() - started
-    evaluate(f"DINT, after {args.train_steps} steps of continued training", dint,
-             f"mean abs(lambda) {mean_abs_lambda(dint):.4f}")
+    if v2:
+        lambda_statistics = v2_lambda_statistics(dint, windows)
+        evaluate(f"DINT-V2, after {args.train_steps} steps of continued training", dint,
+                 f"mean abs(lambda) {lambda_statistics['mean_abs']:.4f}")
+        samples["DINT-V2 after training"] = greedy_answer(dint, tokenizer, question)
+    else:
+        evaluate(f"DINT, after {args.train_steps} steps of continued training", dint,
+                 f"mean abs(lambda) {mean_abs_lambda(dint):.4f}")
     llama_losses = None
     if not args.no_control:
         started = time.time()
@@ -224,7 +324,8 @@ def main(argv=None):
     print(f"Held-out perplexity on {windows.shape[0]} windows of {windows.shape[1]} tokens of "
           f"examples/data/shakespeare_heldout.txt; training: {args.train_steps} steps x {args.batch_size} x "
           f"{args.seq_len} tokens ({tokens_seen} tokens) of shakespeare_train.txt, AdamW lr {args.lr} "
-          f"(lambda vectors {args.lambda_lr}), fp32, {args.threads} CPU threads.")
+          f"({'lambda_proj and the lambda gate' if v2 else 'lambda vectors'} {args.lambda_lr}), fp32, {args.threads} "
+          "CPU threads.")
     print()
     print("| model | parameters | held-out perplexity | note |")
     print("| --- | ---: | ---: | --- |")
@@ -235,9 +336,17 @@ def main(argv=None):
     if llama_losses:
         print("training losses (Llama): " + ", ".join(f"{loss:.3f}" for loss in llama_losses))
     print("seconds: " + ", ".join(f"{key} {value:.0f}" for key, value in timings.items()))
+    results = {"args": vars(args), "machine": machine_line(args.threads), "rows": rows, "dint_losses": dint_losses,
+               "llama_losses": llama_losses, "seconds": timings}
+    if v2:
+        results.update(kv_bytes_per_token=kv_bytes, lambda_statistics=lambda_statistics, samples=samples,
+                       parameters=parameters)
+        print("lambda after training (held-out tokens, all layers and heads): " + ", ".join(
+            f"{key} {value:.4f}" for key, value in lambda_statistics.items()))
+        for name, answer in samples.items():
+            print(f"greedy answer to {question!r}, {name}: {answer!r}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "dint_losses": dint_losses,
-                                               "llama_losses": llama_losses, "seconds": timings}, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import math
 from importlib import resources
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -40,6 +41,22 @@ over all rows, leaks future tokens into a causal LM and is not offered."""
 def depth_lambda_init(layer_idx: int) -> float:
     """The paper's depth schedule of lambda_init for the 0-based layer index: `0.8 - 0.6 * exp(-0.3 * layer_idx)`."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def default_head_dim(differential_attention: str, hidden_size: int, num_attention_heads: int) -> int | None:
+    """`head_dim` where a config gives none: `hidden_size` over the output heads, `num_attention_heads` for v1 (as
+    DiffLlama) and `num_attention_heads / 2` for v2 (DIFF V2's `d = hidden_size / h`: 2h query heads, h output heads).
+    None where there is no output head (the config's validation then names `num_attention_heads`)."""
+    output_heads = num_attention_heads // 2 if differential_attention == "v2" else num_attention_heads
+    if not isinstance(output_heads, int) or not isinstance(hidden_size, int) or output_heads < 1:
+        return None
+    return hidden_size // output_heads
+
+
+LAYOUT_FIELDS = ("head_norm", "head_norm_affine", "lambda_init", "lambda_std_dev", "one_pass_attention", "lambda_gate")
+"""The fields whose value depends on the head layout (`differential_attention`): v1's head norm, lambda_init, lambda
+vectors and one pass, v2's lambda gate. `DintConfig.from_preset` gives a preset switched to the other layout that
+layout's defaults for them, unless the caller sets them."""
 
 
 MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
@@ -141,9 +158,11 @@ class DintConfig(PreTrainedConfig):
             v1: it must be even (the value heads split into the two halves of each differential head's `2*head_dim`
             channels) and divide `num_attention_heads`. v2: it must divide `H/2` (so that heads 2i and 2i+1 share a
             KV head).
-        head_dim (`int`, *optional*): Channels of one softmax map's query/key (`d`); defaults to
-            `hidden_size // num_attention_heads`. Each differential head outputs `2 * head_dim` channels (v1) or
-            `head_dim` (v2): `differential_head_dim`.
+        head_dim (`int`, *optional*): Channels of one softmax map's query/key (`d`). Defaults to
+            `hidden_size // num_attention_heads` (v1, DiffLlama's) or `hidden_size // (num_attention_heads / 2)` (v2,
+            DIFF V2's `d = hidden_size / h` with h output heads; `default_head_dim`). Each differential head outputs
+            `2 * head_dim` channels (v1) or `head_dim` (v2): `differential_head_dim`. A saved config carries its
+            `head_dim`, so the default never changes a saved model.
         hidden_act (`str`, defaults to `"silu"`): Activation of the MLP.
         max_position_embeddings (`int`, defaults to 2048): Maximum sequence length used to build RoPE.
         initializer_range (`float`, defaults to 0.02): Standard deviation of the weight initialization.
@@ -164,7 +183,15 @@ class DintConfig(PreTrainedConfig):
         lambda_std_dev (`float`, defaults to 0.1): Standard deviation of the v1 lambda vectors' initialization.
         head_norm (`bool`, *optional*): Per-differential-head RMSNorm over its `2 * head_dim` channels. Defaults to
             True for v1 and False for v2, which has none (True with v2 is refused).
-        head_norm_affine (`bool`, defaults to `True`): Whether that norm has a learned weight (initialized to 1).
+        head_norm_affine (`bool`, defaults to `True`): Whether that norm has a learned weight (initialized to 1). v1
+            only: False with v2 (which has no head norm) is refused.
+        lambda_gate (`bool`, defaults to `False`): v2 only, and a departure from DIFF V2 (off by default): a learned
+            gate `g` per differential head multiplies lambda, `lambda = g * sigmoid(lambda_proj(x))`, so that
+            `out = O1 - g * sigmoid(lambda_proj(x)) * (O2 - S / c)`. Built from scratch, `g` starts at 1 (DIFF V2's
+            lambda); the Llama-family converter (`dint-convert --differential-attention v2`) sets it to 0, so that
+            the converted model starts exactly at the source's function (a sigmoid is never 0), while `g` gets a
+            gradient from the first step and `lambda_proj` from the moment `g` leaves 0. The gate is folded into
+            the lambda every integral path reads (`DintV2Attention.differential_lambda`).
         one_pass_attention (`bool`, *optional*): How the fast path computes the signal and noise outputs. `None`
             (default): in one attention call over each KV head's 2*head_dim-wide V where the backend is
             `flex_attention` (Q.K^T once instead of twice; measured faster), in two calls over the two halves of V
@@ -217,13 +244,14 @@ class DintConfig(PreTrainedConfig):
     head_norm: bool | None = None
     head_norm_affine: bool = True
     one_pass_attention: bool | None = None
+    lambda_gate: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:  # v2: one KV head per differential head
             v1 = self.differential_attention == "v1"
             self.num_key_value_heads = self.num_attention_heads if v1 else self.num_attention_heads // 2
-        if self.head_dim is None and self.num_attention_heads:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = default_head_dim(self.differential_attention, self.hidden_size, self.num_attention_heads)
         if self.head_norm is None:
             self.head_norm = self.differential_attention == "v1"
         # `layer_types` is derived from `num_hidden_layers` (see the property): an entry in a saved config is ignored.
@@ -303,6 +331,17 @@ class DintConfig(PreTrainedConfig):
                 f"`one_pass_attention` must be None (one attention call where the backend is flex_attention), True "
                 f"or False, got {self.one_pass_attention!r}."
             )
+        if self.lambda_gate not in (True, False):
+            raise ValueError(
+                f"`lambda_gate` must be True or False (a learned gate per differential head on v2's lambda), got "
+                f"{self.lambda_gate!r}."
+            )
+        if self.lambda_gate and self.differential_attention != "v2":
+            raise ValueError(
+                "`lambda_gate=True` needs differential_attention='v2' (it gates v2's lambda, "
+                f"sigmoid(lambda_proj(x))); got differential_attention={self.differential_attention!r}. v1's lambda "
+                "can start at 0 without it (dint-convert --head-init duplicate)."
+            )
         if self.attention_dropout:
             raise ValueError(
                 f"`attention_dropout` must be 0: neither the DIFF nor the DINT paper defines dropout on the combined "
@@ -333,6 +372,11 @@ class DintConfig(PreTrainedConfig):
             raise ValueError(
                 "differential_attention='v2' has no per-head RMSNorm: `head_norm` must be False (or left unset), got "
                 "head_norm=True."
+            )
+        if self.head_norm_affine is not True:
+            raise ValueError(
+                "differential_attention='v2' has no per-head RMSNorm, so no norm weight to leave out: "
+                f"`head_norm_affine` must be True (or left unset), got {self.head_norm_affine!r}."
             )
         if self.lambda_init is not None:
             raise ValueError(
@@ -391,6 +435,12 @@ class DintConfig(PreTrainedConfig):
         differential heads per rank (`check_tensor_parallel_heads`), and for v1 no attention bias (its `packed_colwise`
         plan shards a bias contiguously; v2's `colwise` shards it with its rows)."""
         self.check_tensor_parallel_heads(tp_size)
+        if self.lambda_gate:
+            raise ValueError(
+                "Tensor parallelism cannot shard this DINT model: lambda_gate=True, and transformers' plans shard "
+                "linear layers, not the gate's one weight per differential head. Allowed: lambda_gate=False, or serve "
+                "the model with vLLM (whose tensor parallelism shards the gate with lambda_proj)."
+            )
         if self.attention_bias and self.differential_attention == "v1":
             raise ValueError(
                 "Tensor parallelism cannot shard this DINT model: attention_bias=True, and the packed_colwise plan of "
@@ -400,17 +450,38 @@ class DintConfig(PreTrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DintConfig":
-        """Builds the config of a preset shipped with the `modeling_dint` package (the paper's sizes and `tiny`).
+        """Builds the config of a preset shipped with the `modeling_dint` package (`preset_names()`: the paper's
+        sizes, their DIFF V2 twins `NAME-v2`, `tiny` and `tiny-v2`).
 
-        `overrides` replace preset fields, e.g. `DintConfig.from_preset("tiny", integral="softmax")`.
+        `overrides` replace preset fields, e.g. `DintConfig.from_preset("tiny", integral="softmax")`. An override
+        of `differential_attention` that switches the preset's layout gives the new layout's defaults for the
+        fields whose value depends on the layout (`LAYOUT_FIELDS`: v1's head norm, lambda_init, lambda vectors and
+        one pass; v2's lambda gate) unless they are overridden too; the sizes stay the preset's, and where they do
+        not fit the new layout the error names the twin preset that does.
         """
         available = preset_names()
         if name not in available:
             raise ValueError(f"Unknown preset {name!r}: available presets are {available}.")
         fields = json.loads((resources.files("modeling_dint.presets") / f"{name}.json").read_text(encoding="utf-8"))
         fields.pop("model_type", None)
+        layout = fields.get("differential_attention", "v1")
+        new_layout = overrides.get("differential_attention", layout)
+        if new_layout != layout:
+            for field in LAYOUT_FIELDS:
+                fields.pop(field, None)
         fields.update(overrides)
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except StrictDataclassError as error:
+            twin = name.removesuffix("-v2") if layout == "v2" else f"{name}-v2"
+            if new_layout == layout or twin not in available:
+                raise
+            reason = " ".join(str(error.__cause__ or error).split())
+            raise ValueError(
+                f"Preset {name!r} is a {layout} preset and does not fit differential_attention={new_layout!r} as it "
+                f"is: {reason} Use its {new_layout} twin, DintConfig.from_preset({twin!r}), or override the sizes "
+                "named above."
+            ) from error
 
 
 def preset_names() -> list[str]:
@@ -430,7 +501,9 @@ __all__ = [
     "DINT_LAYER_TYPE",
     "DIFFERENTIAL_ATTENTIONS",
     "INTEGRAL_MODES",
+    "LAYOUT_FIELDS",
     "attention_path",
+    "default_head_dim",
     "depth_lambda_init",
     "preset_names",
     "uses_materializing_path",

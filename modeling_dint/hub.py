@@ -26,6 +26,7 @@ from .configuration_dint import DintConfig
 REMOTE_CODE_FILES = (
     "configuration_dint.py",
     "modeling_dint.py",
+    "masking_dint.py",
     "cache_dint.py",
     "integral_dint.py",
     "integral_cpu_kernel.py",
@@ -106,7 +107,10 @@ def dint_model_card(
     parameter_bytes = None if model is config else sum(p.numel() * p.element_size() for p in model.parameters())
     dtype = None if model is config else str(next(model.parameters()).dtype).replace("torch.", "")
     layout = getattr(config, "differential_attention", "v1")
-    if layout == "v2":
+    if layout == "v2" and getattr(config, "lambda_gate", False):
+        lambda_init = ("none: lambda = lambda_gate * sigmoid(lambda_proj(x)) per token and differential head (a "
+                       "learned gate per head, not in DIFF V2)")
+    elif layout == "v2":
         lambda_init = "none: lambda = sigmoid(lambda_proj(x)) per token and differential head"
     elif config.lambda_init is None:
         lambda_init = "depth schedule 0.8 - 0.6*exp(-0.3*layer)"
@@ -119,6 +123,7 @@ def dint_model_card(
         "integral": config.integral,
         "lambda_init": config.lambda_init,
         "head_norm": config.head_norm,
+        "lambda_gate": getattr(config, "lambda_gate", False),
         "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

@@ -519,6 +519,12 @@ def check_dint_cache(cache, config, materializing: bool) -> None:
             "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
             "the model / generate() create it."
         )
+    if not layers:  # `DynamicCache()`: its layers would be added, as plain K/V layers, by the first update
+        raise ValueError(
+            f"This {type(cache).__name__} was built without a config, so it has no layer to carry DINT's integral "
+            "statistics in. Build it from the model config: `DynamicCache(config=model.config)`, or let the model / "
+            "generate() create it."
+        )
     if len(layers) < config.num_hidden_layers:
         raise ValueError(
             f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "

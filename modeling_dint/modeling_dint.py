@@ -17,14 +17,13 @@ transformers and its sibling files.
 """
 
 # First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
-from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values, create_causal_mask  # noqa: I001
+from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values  # noqa: I001
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -51,9 +50,8 @@ from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401
 from .integral_cpu_kernel import integral_kernel  # noqa: F401
 from .integral_triton_kernel import triton_integral  # noqa: F401
 from .configuration_dint import DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
-from .configuration_dint import uses_materializing_path
 from .integral_dint import DintIntegral, DintIntegralLayout, check_dint_cache, forward_integral_layout
-from .integral_dint import valid_query_rows
+from .masking_dint import DINT_QUERY_VALID_KEY, check_padding_mask_length, create_dint_masks, default_position_ids
 
 
 class DintRMSNorm(LlamaRMSNorm):
@@ -89,6 +87,21 @@ def reparameterized_lambda(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_in
     lambda_1 = torch.exp(torch.dot(lambda_q1.float(), lambda_k1.float()))
     lambda_2 = torch.exp(torch.dot(lambda_q2.float(), lambda_k2.float()))
     return lambda_1 - lambda_2 + lambda_init
+
+
+class DintLambdaGate(nn.Module):
+    """v2's lambda gate (`config.lambda_gate`, a departure from DIFF V2): one learned factor per differential head on
+    lambda, `weight` `[H/2]`, fp32 however the model is built (`_keep_in_fp32_modules_strict`). 1 when built from
+    scratch (DIFF V2's lambda); `dint-convert --differential-attention v2` writes 0, so that the converted model starts
+    at the source's function. A module (not a bare parameter) so that PEFT can train it: `modules_to_save`."""
+
+    def __init__(self, num_differential_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_differential_heads, dtype=torch.float32))
+
+    def forward(self, lambda_: torch.Tensor) -> torch.Tensor:
+        """`[..., H/2]` fp32 -> the gated lambda, `lambda_ * weight`, fp32."""
+        return lambda_ * self.weight.float()
 
 
 class DintAttention(nn.Module):
@@ -253,15 +266,22 @@ class DintV1Attention(DintAttention):
 class DintV2Attention(DintAttention):
     """DINT on DIFF V2's head layout (docs/design.md section 10): query heads 2i (signal) and 2i+1 (noise) share one KV
     head, so O1 and O2 come from one ordinary attention call over Llama's K and V; lambda per token and differential
-    head, `sigmoid(lambda_proj(x))`; no head norm."""
+    head, `sigmoid(lambda_proj(x))`; no head norm. With `config.lambda_gate` (a departure from DIFF V2), a learned gate
+    per differential head multiplies that lambda: `lambda_gate * sigmoid(lambda_proj(x))`."""
 
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
+        self.lambda_gate = DintLambdaGate(config.num_differential_heads) if config.lambda_gate else None
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, from the attention's input `x` `[B, T, hidden_size]`."""
-        return torch.sigmoid(self.lambda_proj(hidden_states).float()).unsqueeze(-1)
+        """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` where the config has it, from the
+        attention's input `x` `[B, T, hidden_size]`. The one lambda every integral path reads (fast path, the
+        materializing path and `dint_attention_map`, the CPU kernel, continuous batching)."""
+        lambda_ = torch.sigmoid(self.lambda_proj(hidden_states).float())
+        if self.lambda_gate is not None:
+            lambda_ = self.lambda_gate(lambda_)
+        return lambda_.unsqueeze(-1)
 
     def differential_outputs(
         self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
@@ -289,74 +309,6 @@ class DintDecoderLayer(LlamaDecoderLayer):
         self.self_attn = DINT_ATTENTION_CLASSES[config.differential_attention](config=config, layer_idx=layer_idx)
 
 
-DINT_QUERY_VALID_KEY = "dint_query_valid"
-"""The entry of the masks dict (`create_dint_masks`) holding the valid query rows `[B, T]` beside the backend's mask."""
-
-
-def create_dint_masks(
-    config: DintConfig,
-    inputs_embeds: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cache: Cache | None,
-    position_ids: torch.Tensor,
-    materializing: bool | None = None,
-) -> dict[str, torch.Tensor | None]:
-    """The masks a DINT forward reads, built once per forward, or ahead of a compiled step by generate()
-    (`create_masks_for_generate`: fixed shapes, not a 2D padding mask that grows each step), returned as they are.
-
-    Args:
-        inputs_embeds (`[B, T, ...]`): only its batch size, length, dtype and device are read.
-        attention_mask: the caller's 2D padding mask `[B, past + T]`, a 4D mask, or None.
-        cache (`Cache`, *optional*): the cache this forward continues.
-        position_ids (`[B or 1, T]`): the positions of this forward's tokens.
-        materializing (`bool`, *optional*): `uses_materializing_path(config)`, where the caller has it.
-
-    Returns:
-        `{DINT_LAYER_TYPE: the attention backend's mask (the boolean [B, 1, T, K] mask on the materializing path),
-        DINT_QUERY_VALID_KEY: the valid query rows [B, T] bool, or None where every row counts}`.
-    """
-    if isinstance(attention_mask, dict) and DINT_QUERY_VALID_KEY in attention_mask:
-        return attention_mask  # prepared by generate() for a compiled step
-    # An empty dynamic cache has the geometry of no cache: let packed sequences (position_ids restarting at 0) get
-    # their block-diagonal mask even when `use_cache` created a cache.
-    mask_cache = cache
-    if cache is not None and not cache.is_compileable and cache.get_seq_length() == 0:
-        mask_cache = None
-    if materializing is None:
-        materializing = uses_materializing_path(config)
-    causal_mask = create_causal_mask(
-        config=_DenseMaskConfig() if materializing else config,
-        inputs_embeds=inputs_embeds,
-        attention_mask=attention_mask,
-        cache=mask_cache,
-        position_ids=position_ids,
-        allow_is_causal_skip=not materializing,
-    )
-    if materializing and causal_mask.dtype != torch.bool:
-        causal_mask = causal_mask == 0
-    # For a backend with a mask function, transformers returns no mask only where no key, hence no query row, of this
-    # call is padding; a backend without one (TGI, vLLM, ...) gets no mask and handles padding itself, so the
-    # integral reads the caller's.
-    mask_tells_padding = causal_mask is not None or config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS
-    batch_size, query_length = inputs_embeds.shape[:2]
-    query_valid = valid_query_rows(attention_mask if mask_tells_padding else None, batch_size, query_length)
-    return {DINT_LAYER_TYPE: causal_mask, DINT_QUERY_VALID_KEY: query_valid}
-
-
-def default_position_ids(inputs_embeds: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-    """`[1, T]`: the positions that follow the cache's tokens, where the caller gives none (as Llama's forward)."""
-    past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-    return torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen_tokens
-
-
-class _DenseMaskConfig:
-    """What `create_causal_mask` reads of a config, set so that it returns the boolean mask `[B, 1, T, K]` of sdpa.
-    The materializing path needs that mask whatever backend the model uses for its fast path."""
-
-    _attn_implementation = "sdpa"
-    is_causal = True
-
-
 DINT_AUTO_MAP = {  # what `save_pretrained` writes, so that every Auto class loads a DINT with `trust_remote_code`
     "AutoConfig": "configuration_dint.DintConfig",
     "AutoModel": "modeling_dint.DintModel",
@@ -380,8 +332,9 @@ class DintPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # The strict list keeps v1's lambda vectors fp32 in fp16 and bf16 loads (the plain list: fp16 only)
-    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    # The strict list keeps v1's lambda vectors and v2's lambda gate fp32 in fp16 and bf16 loads (the plain list: fp16
+    # only)
+    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_gate"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
         "attentions": DintAttention,
@@ -401,6 +354,8 @@ class DintPreTrainedModel(PreTrainedModel):
             init.normal_(module.lambda_k1, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_q2, 0, self.config.lambda_std_dev)
             init.normal_(module.lambda_k2, 0, self.config.lambda_std_dev)
+        elif isinstance(module, DintLambdaGate):
+            init.ones_(module.weight)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
@@ -477,6 +432,8 @@ class DintModel(DintPreTrainedModel):
         if cache is not None:
             check_dint_cache(cache, config, materializing)
 
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            check_padding_mask_length(attention_mask, inputs_embeds.shape[1], cache)
         given_position_ids = position_ids  # the integral's documents restart at the caller's position ids only
         position_ids = default_position_ids(inputs_embeds, cache) if position_ids is None else position_ids
 

@@ -31,7 +31,8 @@ The upstream changes that make this module unnecessary, in `transformers/cli/ser
   `architecture = getattr(transformers, config.architectures[0], None) or AutoModelForCausalLM`; and in 5.23's
   `ModelManager.get_gen_models`, the forced model listed first (and an empty list without a Hub cache); 5.24 does
   that itself (`ModelManager.list_models`).
-- `utils.py`: `BaseHandler._validate_request` refuses an empty `messages` list (and an empty Responses `input`) and a
+- `utils.py`: `BaseHandler._validate_request` refuses an empty `messages` list or a message without a string `role`
+  (and an empty Responses `input`) and a
   `max_tokens` / `max_completion_tokens` / `max_output_tokens` that is not a whole number >= 1, with a 400; and one
   check in `BaseGenerateManager`, before `generate()` or `add_request`, of the tokenized prompt against
   `max_position_embeddings` and (continuous batching) the paged cache's `num_blocks * page_size`, which also caps
@@ -74,7 +75,8 @@ integral "softmax" cannot run this way: dint-serve refuses it at start-up
 \b
 Every request is checked; one that fails gets a 400 naming the limit, and
 the server keeps serving:
-- a chat (messages) holds at least one message;
+- a chat (messages) holds at least one message, each an object with a
+  string role;
 - max_tokens, max_completion_tokens, max_output_tokens are whole numbers >= 1;
 - the tokenized prompt has at least 1 token and fewer than the model's
   max_position_embeddings;
@@ -204,10 +206,26 @@ def request_body_error(path: str, body) -> str | None:
         value = body.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"`{field}` must be a whole number of at least 1, got {value!r}."
-    if path == "/v1/chat/completions" and not (isinstance(body.get("messages"), list) and body["messages"]):
-        return f"`messages` must be a list of at least one message, got {body.get('messages')!r}."
+    if path == "/v1/chat/completions":
+        return messages_error(body.get("messages"))
     if path == "/v1/responses" and body.get("input") == [] and not body.get("instructions"):
         return "`input` must hold at least one message (or come with `instructions`), got []."
+    return None
+
+
+def messages_error(messages) -> str | None:
+    """What is wrong with a chat request's `messages` (not a list, empty, a message that is not an object or whose
+    `role` is missing or not a string: the chat template would fail on it with a 500), or None."""
+    if not (isinstance(messages, list) and messages):
+        return f"`messages` must be a list of at least one message, got {messages!r}."
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"`messages[{index}]` must be an object with a `role` and a `content`, got {message!r}."
+        if "role" not in message:
+            return f"`messages[{index}].role` is missing: each message needs a string `role` (\"user\", ...)."
+        if not isinstance(message["role"], str):
+            return (f"`messages[{index}].role` must be a string (\"system\", \"user\", \"assistant\", ...), got "
+                    f"{message['role']!r}.")
     return None
 
 

@@ -25,8 +25,12 @@ def cache_of(output):
 V2 = {"differential_attention": "v2", "num_key_value_heads": 1}
 """The overrides that make `tiny_config` a DIFF V2 layout: 4 query heads (2 differential heads) over one KV head."""
 
-LAYOUTS = [pytest.param({}, id="v1"), pytest.param(V2, id="v2")]
-"""Both head layouts, for `@pytest.mark.parametrize("layout", LAYOUTS)`; a test passes `**layout` to `tiny_model`."""
+V2_GATED = {**V2, "lambda_gate": True}
+"""`V2` with the lambda gate (`config.lambda_gate`, the V2 converter's start): `tiny_model` draws the gates."""
+
+LAYOUTS = [pytest.param({}, id="v1"), pytest.param(V2, id="v2"), pytest.param(V2_GATED, id="v2-gated")]
+"""Both head layouts, and v2 with its lambda gate, for `@pytest.mark.parametrize("layout", LAYOUTS)`; a test passes
+`**layout` to `tiny_model`."""
 
 
 def tiny_config(**overrides) -> DintConfig:
@@ -62,7 +66,8 @@ def diffllama_config_like(config, **overrides):
 
 def tiny_model(attn_implementation: str = "sdpa", dtype=torch.float32, seed: int = 0, **overrides) -> DintForCausalLM:
     """A tiny DINT LM in eval mode, the same weights for the same seed and config whatever the attention backend;
-    its head-norm weights are perturbed so that the tests see them act."""
+    its head-norm weights and v2's lambda gates (one of them 0, one negative) are perturbed so that the tests see them
+    act."""
     torch.manual_seed(seed)
     config = tiny_config(**overrides)
     config._attn_implementation = attn_implementation
@@ -72,6 +77,11 @@ def tiny_model(attn_implementation: str = "sdpa", dtype=torch.float32, seed: int
             norm_weight = getattr(layer.self_attn.head_norm, "weight", None)
             if norm_weight is not None:
                 norm_weight.uniform_(0.5, 1.5)
+            lambda_gate = getattr(layer.self_attn, "lambda_gate", None)
+            if lambda_gate is not None:
+                lambda_gate.weight.uniform_(0.5, 1.5)
+                lambda_gate.weight[0] = 0.0
+                lambda_gate.weight[-1] = -0.7
     return model
 
 

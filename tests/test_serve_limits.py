@@ -131,6 +131,19 @@ def test_empty_prompt_and_empty_chat_are_refused(server):
     assert_still_serving(client, path, dint_server)
 
 
+@pytest.mark.parametrize("messages", [[{"content": "Hello"}], [{"role": None, "content": "Hello"}],
+                                      [{"role": "user", "content": "Hi"}, {"role": 3, "content": "Hello"}]],
+                         ids=["missing", "null", "number"])
+def test_chat_message_without_a_string_role_is_refused(server, messages):
+    client, path, dint_server, _ = server
+    index = len(messages) - 1
+    assert_refused(lambda: client.chat.completions.create(model=path, messages=messages, max_tokens=3),
+                   f"`messages[{index}].role`")
+    assert_refused(lambda: client.chat.completions.create(model=path, messages=messages, max_tokens=3, stream=True),
+                   f"`messages[{index}].role`")
+    assert_still_serving(client, path, dint_server)
+
+
 @pytest.mark.parametrize("max_tokens", [0, -1])
 def test_max_tokens_below_one_is_refused(server, max_tokens):
     client, path, dint_server, _ = server

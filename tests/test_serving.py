@@ -18,7 +18,7 @@ if Version(transformers.__version__) < Version("5.24"):
         allow_module_level=True,
     )
 
-from dint_testing import V2, tiny_model  # noqa: E402
+from dint_testing import V2, V2_GATED, tiny_model  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as continuous_batching_cache  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
@@ -77,7 +77,9 @@ def generate_alone(model, prompt_ids, generation_config):
 
 
 @pytest.mark.parametrize(
-    "integral, layout", [("mean", {}), ("none", {}), ("mean", V2), ("none", V2)], ids=["v1-mean", "v1-none", "v2-mean", "v2-none"]
+    "integral, layout",
+    [("mean", {}), ("none", {}), ("mean", V2), ("none", V2), ("mean", V2_GATED)],
+    ids=["v1-mean", "v1-none", "v2-mean", "v2-none", "v2-gated-mean"],
 )
 def test_generate_batch_equals_generate_per_request(integral, layout):
     """Requests of different lengths, more than fit one step, long prompts prefilled in chunks: each request's

@@ -112,7 +112,7 @@ def test_create_causal_mask_bridge_matches_transformers(padded):
 
 def _sdpa_mask_config():
     """What create_causal_mask reads of a config, asking for sdpa's boolean mask (as DINT's materializing path)."""
-    from modeling_dint.modeling_dint import _DenseMaskConfig
+    from modeling_dint.masking_dint import _DenseMaskConfig
 
     return _DenseMaskConfig()
 

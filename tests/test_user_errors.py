@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import transformers
-from dint_testing import tiny_model, without_torchao_import_lines
+from dint_testing import LAYOUTS, cache_of, tiny_model, with_cache, without_torchao_import_lines
 from transformers import PreTrainedModel
 
 from modeling_dint import DintForCausalLM, push_dint_to_hub
@@ -45,6 +45,28 @@ def test_tensor_parallel_size_that_splits_differential_heads_is_refused_before_s
     biased = tiny_model(num_attention_heads=8, num_key_value_heads=4, attention_bias=True)
     with pytest.raises(ValueError, match="attention_bias=True"):
         DintForCausalLM.maybe_distribute_model(biased, DistributedConfig(tp_size=2), mesh_manager=object())
+    gated = tiny_model(num_attention_heads=8, num_key_value_heads=2, differential_attention="v2", lambda_gate=True)
+    with pytest.raises(ValueError, match="lambda_gate=True"):
+        DintForCausalLM.maybe_distribute_model(gated, DistributedConfig(tp_size=2), mesh_manager=object())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padding_mask_of_another_length_names_attention_mask_and_both_lengths(layout):
+    model = tiny_model(**layout)
+    input_ids = torch.randint(2, 128, (2, 6))
+    for length in (5, 8):
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[0, 0] = 0
+        with pytest.raises(ValueError, match=rf"`attention_mask` has length {length}, but the input has 6 tokens"):
+            model(input_ids, attention_mask=mask)
+    with torch.no_grad():
+        cache = cache_of(model(input_ids, use_cache=True))
+        step = torch.randint(2, 128, (2, 1))
+        with pytest.raises(ValueError, match=r"has length 1, but the input has 1 tokens plus the 6 tokens in the "
+                                             r"cache: .*shape \[batch, 7\]"):
+            model(step, attention_mask=torch.ones(2, 1, dtype=torch.long), **with_cache(cache))
+        # The right length runs (the cache was left as it was by the refusal)
+        model(step, attention_mask=torch.ones(2, 7, dtype=torch.long), **with_cache(cache))
 
 
 def free_port() -> int:

@@ -19,6 +19,8 @@ from modeling_dint.modeling_dint import create_dint_masks
         (dict(head_norm=True), "has no per-head RMSNorm: `head_norm` must be False"),
         (dict(lambda_init=0.5), "`lambda_init` must be None, got 0.5"),
         (dict(one_pass_attention=False), "`one_pass_attention` must be None"),
+        (dict(head_norm_affine=False), r"no norm weight to leave out: `head_norm_affine` must be True .*got False"),
+        (dict(differential_attention="v1", lambda_gate=True), "`lambda_gate=True` needs differential_attention='v2'"),
         (dict(num_key_value_heads=2, num_attention_heads=6, hidden_size=48), r"must divide num_attention_heads / 2 = 3"),
         (dict(differential_attention="v3"), r"`differential_attention` must be one of \('v1', 'v2'\), got 'v3'"),
     ],
@@ -30,10 +32,14 @@ def test_a_v2_config_that_asks_for_what_v2_has_not_is_refused_at_build(overrides
 
 def test_v2_defaults_one_kv_head_per_differential_head_and_no_head_norm(tmp_path):
     config = DintConfig(hidden_size=64, num_attention_heads=8, differential_attention="v2")
-    assert (config.num_key_value_heads, config.head_norm, config.differential_head_dim) == (4, False, 8)
+    # DIFF V2's head_dim: d = hidden / h, h = 4 output heads (2h = 8 query heads)
+    assert (config.num_key_value_heads, config.head_norm, config.head_dim, config.differential_head_dim) == (
+        4, False, 16, 16
+    )
+    assert config.lambda_gate is False
     config.save_pretrained(tmp_path)
     reloaded = DintConfig.from_pretrained(tmp_path)
-    assert reloaded.differential_attention == "v2" and reloaded.head_norm is False
+    assert reloaded.differential_attention == "v2" and reloaded.head_norm is False and reloaded.head_dim == 16
     v1 = DintConfig(hidden_size=64, num_attention_heads=8)
     assert (v1.differential_attention, v1.head_norm, v1.num_key_value_heads, v1.differential_head_dim) == ("v1", True, 8, 16)
     assert uses_one_pass_attention(tiny_config(**V2))  # one attention call on every fast backend
@@ -154,3 +160,35 @@ def test_v2_tiny_preset_builds():
     assert config.differential_attention == "v2" and config.head_norm is False
     model = DintForCausalLM(config)
     assert model(torch.randint(0, config.vocab_size, (1, 5))).logits.shape == (1, 5, config.vocab_size)
+
+
+def test_a_saved_v2_config_keeps_its_head_dim(tmp_path):
+    """Configs saved before the v2 default became DIFF V2's (hidden / (2h) then) carry their head_dim: they load as
+    they were saved."""
+    DintConfig(hidden_size=64, num_attention_heads=8, head_dim=8, differential_attention="v2").save_pretrained(tmp_path)
+    assert '"head_dim": 8' in (tmp_path / "config.json").read_text()
+    reloaded = DintConfig.from_pretrained(tmp_path)
+    assert reloaded.head_dim == 8
+    assert DintForCausalLM(reloaded).model.layers[0].self_attn.q_proj.weight.shape == (8 * 8, 64)
+
+
+def test_lambda_gate_multiplies_lambda_per_head_and_is_saved_in_fp32(tmp_path):
+    """`lambda_gate=True`: lambda = gate * sigmoid(lambda_proj(x)), one gate per differential head, 1 when built from
+    scratch, saved and reloaded, fp32 in a bf16 load (as v1's lambda vectors)."""
+    model = DintForCausalLM(tiny_config(**V2, lambda_gate=True)).eval()
+    attention = model.model.layers[0].self_attn
+    assert torch.equal(attention.lambda_gate.weight, torch.ones(model.config.num_attention_heads // 2))
+    with torch.no_grad():
+        attention.lambda_gate.weight.copy_(torch.tensor([0.0, -0.5]))
+    hidden_states = torch.randn(2, 5, model.config.hidden_size)
+    with torch.no_grad():
+        expected = torch.sigmoid(hidden_states @ attention.lambda_proj.weight.T) * torch.tensor([0.0, -0.5])
+        torch.testing.assert_close(attention.differential_lambda(hidden_states)[..., 0], expected)
+    model.save_pretrained(tmp_path)
+    reloaded = DintForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    gate = reloaded.model.layers[0].self_attn.lambda_gate.weight
+    assert reloaded.config.lambda_gate is True and gate.dtype == torch.float32
+    assert torch.equal(gate, torch.tensor([0.0, -0.5]))
+    without_gate = DintForCausalLM(tiny_config(**V2))
+    assert without_gate.model.layers[0].self_attn.lambda_gate is None
+    assert not any("lambda_gate" in name for name in without_gate.state_dict())

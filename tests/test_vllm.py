@@ -573,6 +573,36 @@ def test_v2_tensor_parallel_2_equals_generate(v2_checkpoint, prompts, v2_referen
     assert max_logprob_difference(requests, v2_reference[::2]) < LOGPROB_TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def v2_gated_checkpoint(tmp_path_factory) -> str:
+    """The v2 checkpoint with `lambda_gate` (the Llama-family converter's layout) and gates of every sign, 0 included,
+    so that a path that drops or misloads the gate gives other log-probabilities."""
+    directory = build_checkpoint(str(tmp_path_factory.mktemp("dint_v2_gated_vllm")), **V2_LAYOUT, lambda_gate=True)
+    model = DintForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        for layer_idx, layer in enumerate(model.model.layers):
+            layer.self_attn.lambda_gate.weight.copy_(torch.tensor([0.0, -0.8, 1.5, 0.3]) * (layer_idx + 1))
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_v2_lambda_gate_is_read_on_one_rank_and_sharded_on_two(v2_gated_checkpoint, prompts, tmp_path_factory):
+    """vLLM multiplies lambda by the checkpoint's gate per head (`lambda_gate`), on one rank and with each of two
+    ranks holding its own heads' gates (as their lambda_proj rows): the log-probabilities of transformers' model."""
+    reference = generate_reference(DintForCausalLM.from_pretrained(v2_gated_checkpoint, dtype=torch.float32).eval(),
+                                   prompts[::2])
+    single = [{"name": "default", "engine": ENGINE, "batches": [prompts[::2]], "max_tokens": MAX_TOKENS,
+               "logprobs": LOGPROBS}]
+    requests = run_worker(v2_gated_checkpoint, single, tmp_path_factory.mktemp("vllm_v2_gated"))["default"]
+    assert_tokens_equal(requests["requests"][0], reference, "v2 lambda gate")
+    assert max_logprob_difference(requests["requests"][0], reference) < LOGPROB_TOLERANCE
+    runs = [{**single[0], "name": "tp2", "engine": {**ENGINE, "tensor_parallel_size": 2}}]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    requests = run_worker(v2_gated_checkpoint, runs, tmp_path_factory.mktemp("vllm_v2_gated_tp2"), env)["tp2"]
+    assert_tokens_equal(requests["requests"][0], reference, "v2 lambda gate, tensor parallel 2")
+    assert max_logprob_difference(requests["requests"][0], reference) < LOGPROB_TOLERANCE
+
+
 # ------------------------------------------------------------------------------------------ the OpenAI server
 SERVED_MODEL_NAME = "dint-tiny"
 SERVER_STARTUP_SECONDS = 600

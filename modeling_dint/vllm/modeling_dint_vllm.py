@@ -27,7 +27,8 @@ larger). q/k/v rows are permuted at load so that each tensor-parallel rank holds
 
 **v2 (DIFF V2's layout): an ordinary attention layer.** H = 2h query heads of d over the KV heads of d, query heads
 2i (signal) and 2i+1 (noise) in one GQA group; O1, O2 are the even and odd heads of one call; lambda =
-sigmoid(lambda_proj(x)) per token and head; no head norm. The cache and the kernels are Llama's.
+sigmoid(lambda_proj(x)) per token and head (times `lambda_gate` per head where the config has it); no head norm. The
+cache and the kernels are Llama's.
 
 **The integral state: in the tail of each KV page.** The running sum S of O1, `(H/2, C)` fp32 per layer (C = 2d for
 v1, d for v2), is kept per KV block, as dint-serve keeps it (`serving.py`): each page (one block of one layer) is Llama's
@@ -70,7 +71,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from ..configuration_dint import DintConfig
 from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
 from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
-from ..modeling_dint import DintHeadRMSNorm, reparameterized_lambda
+from ..modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
 
 
 WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
@@ -115,6 +116,13 @@ def integral_state_shape(config: DintConfig, tp_size: int) -> tuple[int, int]:
     """One integral state of one layer (kept per KV block): the running sum of O1, `(H/2 / tp, C)` fp32, C =
     `config.differential_head_dim` (v1: 2d, v2: d)."""
     return (config.num_differential_heads // tp_size, config.differential_head_dim)
+
+
+def load_rank_rows(parameter: nn.Parameter, loaded_weight: torch.Tensor, tp_rank: int) -> None:
+    """Loads rank `tp_rank`'s contiguous block of rows of a checkpoint tensor (v2's `lambda_gate.weight`, one row per
+    differential head, sharded as `lambda_proj`'s rows)."""
+    rows = parameter.shape[0]
+    parameter.data.copy_(loaded_weight.narrow(0, tp_rank * rows, rows))
 
 
 def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
@@ -644,6 +652,12 @@ class DintVllmAttention(nn.Module):
             self.lambda_proj = ColumnParallelLinear(
                 hidden_size, config.num_differential_heads, bias=False, quant_config=None, prefix=f"{prefix}.lambda_proj"
             )
+            self.lambda_gate = None
+            if config.lambda_gate:  # this rank's rows of the gate, as lambda_proj's (ColumnParallelLinear: contiguous)
+                self.lambda_gate = DintLambdaGate(config.num_differential_heads // tp_size)
+                self.lambda_gate.weight.requires_grad_(False)
+                tp_rank = get_tensor_model_parallel_rank()
+                self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=tp_rank)
         self.head_norm = None
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
@@ -660,7 +674,10 @@ class DintVllmAttention(nn.Module):
         if not self.v1:  # query heads 2i (signal) and 2i+1 (noise) of one ordinary attention call
             attn_output = self.attn(query, key, value).view(num_tokens, -1, 2, self.head_dim)
             lambda_proj, _ = self.lambda_proj(hidden_states)
-            return attn_output[:, :, 0], attn_output[:, :, 1], torch.sigmoid(lambda_proj.float()).unsqueeze(-1)
+            lambda_ = torch.sigmoid(lambda_proj.float())
+            if self.lambda_gate is not None:  # `config.lambda_gate`, as `DintV2Attention.differential_lambda`
+                lambda_ = self.lambda_gate(lambda_)
+            return attn_output[:, :, 0], attn_output[:, :, 1], lambda_.unsqueeze(-1)
         # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
         query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
         wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
