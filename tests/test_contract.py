@@ -32,14 +32,21 @@ LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 # --- compiled decoding ---
 
 
-@pytest.mark.parametrize("integral, layout", [("mean", {}), ("softmax", {}), ("mean", V2)], ids=["v1-mean", "v1-softmax", "v2-mean"])
-def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral, layout):
+@pytest.mark.parametrize(
+    "integral, layout, lengths",
+    [("mean", {}, (8, 5)), ("softmax", {}, (8, 5)), ("mean", V2, (8, 5)), ("mean", {}, (8,)), ("mean", V2, (8,))],
+    ids=["v1-mean", "v1-softmax", "v2-mean", "v1-mean-one-prompt", "v2-mean-one-prompt"],
+)
+def test_compiled_static_cache_generation_compiles_the_decode_step_once(integral, layout, lengths):
     """generate() with a static cache and a compile config compiles the decode step once for the whole generation
-    (a padded batch, so that the 2D mask grows every step): any recompilation raises."""
+    (with a 2D mask, which grows every step): any recompilation raises. A padded batch (a pad inside a row too), and
+    one prompt: at batch 1 a view of the mask's last column keeps its growing row stride, which transformers 5.5 to
+    5.17 pass to the step's masks and a compiled step guards on (it recompiled every step there)."""
     torch._dynamo.reset()
     model = tiny_model(integral=integral, **layout)
-    input_ids, attention_mask = left_padded_batch(lengths=(8, 5))
-    attention_mask[1, -3] = 0  # and a pad inside a row
+    input_ids, attention_mask = left_padded_batch(lengths=lengths)
+    if len(lengths) > 1:
+        attention_mask[1, -3] = 0  # and a pad inside a row
     generate_kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
     expected = model.generate(input_ids, cache_implementation="static", **generate_kwargs)
     compile_config = compile_on_every_device(CompileConfig(fullgraph=True, dynamic=False))  # the CPU included
