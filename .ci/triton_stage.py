@@ -6,11 +6,12 @@ triton -> tests, and fails if a row fails.
     python .ci/triton_stage.py
 
 - the Triton of the lent GPUs' image (`DEVICE_TRITON`, with numpy < 2.3: its interpreter turns one-element arrays
-  into Python integers in a way numpy 2.4 refuses): the kernel's tests against the eager ops;
-- the newest Triton (with the newest numpy): the kernel's tests, then `MODEL_TESTS` with `DINT_INTEGRAL_KERNEL=triton`,
-  so that every forward, backward and cached generation of a whole model runs through the kernel (the CPU C++ kernel
-  of the default suite steps aside for it; continuous batching, which the Triton kernel does not take, runs its eager
-  ops).
+  into Python integers in a way numpy 2.4 refuses): every kernel variant compiled for sm_80 and sm_90 by Triton's
+  compiler (what the interpreter never runs), then the kernel's tests against the eager ops;
+- the newest Triton (with the newest numpy): the compilation, the kernel's tests, then `MODEL_TESTS` with
+  `DINT_INTEGRAL_KERNEL=triton`, so that every forward, backward and cached generation of a whole model runs through
+  the kernel (the CPU C++ kernel of the default suite steps aside for it; continuous batching, which the Triton kernel
+  does not take, runs its eager ops).
 
 Both with torch 2.13.0, the package's `test` extra and the newest transformers.
 """
@@ -23,6 +24,8 @@ from venvs import REPO_ROOT, ensure_venv, newest_release, pytest_summary, run
 
 DEVICE_TRITON = "3.6.0"
 """The Triton of the lent GPU machines' image (torch 2.11 with CUDA 13)."""
+COMPILE_TESTS = ("tests/test_integral_triton_compile.py",)
+"""Every kernel variant through Triton's compiler to sm_80 and sm_90 cubins (no interpreter, no GPU)."""
 KERNEL_TESTS = ("tests/test_integral_triton_kernel.py",)
 MODEL_TESTS = (
     "tests/test_generation.py",
@@ -32,6 +35,7 @@ MODEL_TESTS = (
     "tests/test_finetuning.py",
 )
 INTERPRETER = {"TRITON_INTERPRET": "1"}
+COMPILER = {"TRITON_INTERPRET": "0"}
 
 
 def triton_venv(venv_dir: str, release: str, numpy_requirement: str) -> str:
@@ -56,10 +60,14 @@ def main() -> int:
     venv_dir = os.environ.get("DINT_MATRIX_DIR", os.path.expanduser("~/.cache/dint-matrix"))
     newest = newest_release("triton")
     all_passed = True
+    device_python = triton_venv(venv_dir, DEVICE_TRITON, "numpy<2.3")
+    newest_python = triton_venv(venv_dir, newest, "numpy")
     plan = [
-        (triton_venv(venv_dir, DEVICE_TRITON, "numpy<2.3"), KERNEL_TESTS, INTERPRETER),
-        (triton_venv(venv_dir, newest, "numpy"), KERNEL_TESTS, INTERPRETER),
-        (triton_venv(venv_dir, newest, "numpy"), MODEL_TESTS, {**INTERPRETER, "DINT_INTEGRAL_KERNEL": "triton"}),
+        (device_python, COMPILE_TESTS, COMPILER),
+        (device_python, KERNEL_TESTS, INTERPRETER),
+        (newest_python, COMPILE_TESTS, COMPILER),
+        (newest_python, KERNEL_TESTS, INTERPRETER),
+        (newest_python, MODEL_TESTS, {**INTERPRETER, "DINT_INTEGRAL_KERNEL": "triton"}),
     ]
     print("| triton | numpy | transformers | tests | result | time |\n| --- | --- | --- | --- | --- | --- |", flush=True)
     for python, tests, environment in plan:

@@ -399,8 +399,17 @@ def _block_channels(channels: int) -> int:
     return max(16, triton.next_power_of_2(channels))
 
 
-def _num_warps(chunk_rows: int, channels: int) -> int:
-    return 8 if chunk_rows * _block_channels(channels) >= 4096 else 4
+FORWARD_ELEMENTS_PER_THREAD = 16
+BACKWARD_ELEMENTS_PER_THREAD = 8
+"""A tile's elements per thread (`_num_warps`). The backward holds about twice the forward's tiles at once (the
+gradients beside the recomputed forward): at 16 elements per thread its sm_90 code took 180 to 255 registers and
+spilled in some variants (Triton 3.6 and 3.9, as `tests/test_integral_triton_compile.py` reads the cubins), at 8 it
+takes 102 to 168, leaving an SM twice the warps to hide memory latency with (docs/performance.md)."""
+
+
+def _num_warps(chunk_rows: int, channels: int, elements_per_thread: int) -> int:
+    """Warps per program for a tile of `chunk_rows` x channels (4 to 16)."""
+    return min(16, max(4, chunk_rows * _block_channels(channels) // (32 * elements_per_thread)))
 
 
 def _per_row(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -479,7 +488,8 @@ def integral_forward(
     if store_running:
         running = torch.empty(signal.shape, dtype=torch.float32, device=signal.device)
     inclusive = restarts = None
-    block_channels, num_warps = _block_channels(channels), _num_warps(chunk_rows, channels)
+    block_channels = _block_channels(channels)
+    num_warps = _num_warps(chunk_rows, channels, FORWARD_ELEMENTS_PER_THREAD)
     with _on_device(signal):
         if chunks > 1:
             tails = torch.empty(batch_heads, chunks, channels, dtype=torch.float32, device=signal.device)
@@ -538,7 +548,8 @@ def integral_backward(
     grad_lambda = torch.empty(batch_size, query_length, heads, **float_options)
     grad_weight = torch.empty(batch_heads * chunks, channels, **float_options) if weight is not None else None
     grad_carry = torch.empty(batch_size, heads, channels, **float_options) if carry is not None else None
-    block_channels, num_warps = _block_channels(channels), _num_warps(chunk_rows, channels)
+    block_channels = _block_channels(channels)
+    num_warps = _num_warps(chunk_rows, channels, BACKWARD_ELEMENTS_PER_THREAD)
 
     def launch(heads_only: bool, right_inclusive: torch.Tensor | None, heads_sum: torch.Tensor | None) -> None:
         _integral_backward_kernel[(batch_heads * chunks,)](
