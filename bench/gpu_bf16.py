@@ -16,7 +16,8 @@ Stages, in order; each rewrites `results.json` and `results.md` when it ends (a 
 it measured), and one that would pass `--budget` seconds is skipped and says so:
 1. `tests`: `tests/test_gpu.py` and the Triton kernel's tests (`GPU_KERNEL_TESTS`), on CUDA;
 2. `integral`: `DintIntegral` alone per call, the Triton kernel against the eager ops: a decoding step's launch cost
-   (one row, batch 1 and 8) and 4096 rows forward and with backward, at both layouts' shapes;
+   (one row, batch 1 and 8) and 4096 rows forward and with backward (the backward kernel also at 16 tile elements
+   per thread, the warps it had before its registers were read), at both layouts' shapes;
 3. `train`: a training step (LM loss, forward and backward) at `TRAIN_LENGTHS` tokens: time, tokens/s, peak memory;
 4. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
 5. `decode`: per decoded token with the dynamic cache after prompts of `DECODE_PROMPTS` tokens (eager), and the
@@ -64,6 +65,8 @@ V1_GROUP = ("dint_v1", "diffllama", "dint_v1_eager_ops")
 V2_GROUP = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v2_eager_ops")
 EAGER_OPS = {"dint_v1_eager_ops": "dint_v1", "dint_v2_eager_ops": "dint_v2"}
 """Variants that run a model of the group with the integral's eager ops: `{variant: model}`."""
+TRITON_BACKWARD_AT_16 = "triton, backward at 16 elements per thread"
+"""The `integral` stage's third timing of a call with a backward (the backward's warps it had first)."""
 COMPILED_PAIRS = (("dint_v2", "llama_2h"), ("dint_v1", "diffllama"), ("diff_v2", "llama_h"))
 COMPILE_RESERVE_SECONDS = 150
 """A pair's compiles and timing start only with this much of the budget left (a 1B model's decode step compiles in
@@ -336,6 +339,7 @@ def integral_calls(args) -> dict:
     `{case: {kernel: [seconds per call, per round]}}`."""
     from torch import nn
 
+    import modeling_dint.integral_triton_kernel as triton_kernel
     from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout
 
     heads, channels = (2, 16) if args.smoke else (16, 128)
@@ -372,14 +376,22 @@ def integral_calls(args) -> dict:
             case = (f"{layout_name} B={batch_size} T={rows}{' +backward' if backward else ''}"
                     f"{f' documents of {document_rows}' if document_rows else ''}")
             calls[case] = {}
-            for kernel in ("triton", "eager"):
-                os.environ["DINT_INTEGRAL_KERNEL"] = kernel if args.device.startswith("cuda") else "eager"
+            # With a backward, also the backward kernel at the forward's warps (16 tile elements per thread, what it
+            # had before its registers were read off the cubins: triton_kernel.BACKWARD_ELEMENTS_PER_THREAD)
+            variants = ("triton", "eager", TRITON_BACKWARD_AT_16) if backward else ("triton", "eager")
+            for variant in variants:
+                kernel = "eager" if variant == "eager" or not args.device.startswith("cuda") else "triton"
+                os.environ["DINT_INTEGRAL_KERNEL"] = kernel
+                elements_per_thread = triton_kernel.BACKWARD_ELEMENTS_PER_THREAD
+                if variant == TRITON_BACKWARD_AT_16:
+                    triton_kernel.BACKWARD_ELEMENTS_PER_THREAD = 16
                 try:
                     call()
                     samples = [timed(args.device, lambda: [call() for _ in range(repeat)]) / repeat for _ in range(3)]
                 finally:
                     os.environ.pop("DINT_INTEGRAL_KERNEL", None)
-                calls[case][kernel] = samples
+                    triton_kernel.BACKWARD_ELEMENTS_PER_THREAD = elements_per_thread
+                calls[case][variant] = samples
     return calls
 
 
@@ -461,12 +473,15 @@ def markdown(result: dict, args) -> str:
                                  for prompt, values in by_prompt.items() if name.startswith("dint")) + " | |")
     if result.get("integral_calls"):
         lines += ["", "## integral", "", "`DintIntegral` alone, microseconds per call (median of 3 rounds)", "",
-                  "| case | Triton kernel | eager ops | kernel / eager |", "| --- | --- | --- | --- |"]
+                  "| case | Triton kernel | eager ops | kernel / eager | kernel, backward at 16 elements per thread |",
+                  "| --- | --- | --- | --- | --- |"]
         for case, by_kernel in result["integral_calls"].items():
             if case == "errors":
                 continue
             triton_us, eager_us = (statistics.median(by_kernel[kernel]) * 1e6 for kernel in ("triton", "eager"))
-            lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} |")
+            at_16 = by_kernel.get(TRITON_BACKWARD_AT_16)
+            at_16_us = f"{statistics.median(at_16) * 1e6:.1f}" if at_16 else "-"
+            lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} | {at_16_us} |")
     for stage in ("tests", "integral_calls", "train", "prefill", "decode", "batched_generate", "compiled_decode"):
         for error in (result.get(stage) or {}).get("errors", []) if isinstance(result.get(stage), dict) else []:
             lines += ["", f"{stage}: error", "", "```", error.strip(), "```"]

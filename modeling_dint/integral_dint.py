@@ -44,11 +44,10 @@ def valid_query_rows(
     if attention_mask is None:
         return None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        # A new [B, T] tensor, not a view of the mask: a view keeps the mask's row stride, which grows by one at every
-        # decoding step, and a compiled step guards on strides (at batch 1 with transformers 5.5 to 5.17, whose static-
-        # cache generate() passes the growing mask, the compiled step recompiled at every token).
-        rows = attention_mask[:, -query_length:]
-        return torch.empty(rows.shape, dtype=torch.bool, device=rows.device).copy_(rows)
+        # A new contiguous [B, T] tensor. `.bool()` keeps the mask's row stride (a bool mask's view; at batch 1 a copy
+        # with the same strides), which grows at every decoding step, and a compiled step guards on strides: with
+        # transformers 5.5 to 5.17, whose static-cache generate() passes the growing mask, it recompiled every token.
+        return attention_mask[:, -query_length:] != 0
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         return allowed.any(dim=-1)[:, 0, -query_length:].expand(batch_size, query_length)

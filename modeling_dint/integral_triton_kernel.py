@@ -400,16 +400,20 @@ def _block_channels(channels: int) -> int:
 
 
 FORWARD_ELEMENTS_PER_THREAD = 16
+"""Tile elements per thread of the forward kernels (`_num_warps`): 4 warps for a 16 x 128 tile, 8 for 32 x 128."""
 BACKWARD_ELEMENTS_PER_THREAD = 8
-"""A tile's elements per thread (`_num_warps`). The backward holds about twice the forward's tiles at once (the
-gradients beside the recomputed forward): at 16 elements per thread its sm_90 code took 180 to 255 registers and
-spilled in some variants (Triton 3.6 and 3.9, as `tests/test_integral_triton_compile.py` reads the cubins), at 8 it
-takes 102 to 168, leaving an SM twice the warps to hide memory latency with (docs/performance.md)."""
+"""Tile elements per thread of the backward kernel (`_num_warps`), half the forward's: it holds about twice the
+forward's tiles at once (the gradients beside the recomputed forward). Read off the sm_90 cubins
+(`python tests/test_integral_triton_compile.py 90`, bf16, Triton 3.6): at 16 elements per thread its variants took up
+to 255 registers (8 warps per SM by registers), at 8 they take up to 159 (16 x 128 tiles, 8 warps) and 128 (32 x 128
+tiles, 16 warps: twice the warps per SM), with small stack spills (at most 32 bytes) in some v1 head-norm variants
+either way. Not yet timed on a GPU: `bench/gpu_bf16.py`'s `integral` stage times the backward both ways."""
+MAX_WARPS = {"forward": 8, "backward": 16}
 
 
-def _num_warps(chunk_rows: int, channels: int, elements_per_thread: int) -> int:
-    """Warps per program for a tile of `chunk_rows` x channels (4 to 16)."""
-    return min(16, max(4, chunk_rows * _block_channels(channels) // (32 * elements_per_thread)))
+def _num_warps(chunk_rows: int, block_channels: int, elements_per_thread: int, max_warps: int) -> int:
+    """Warps per program for a tile of `chunk_rows` x `block_channels` at `elements_per_thread` (4 to `max_warps`)."""
+    return min(max_warps, max(4, chunk_rows * block_channels // (32 * elements_per_thread)))
 
 
 def _per_row(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -489,7 +493,7 @@ def integral_forward(
         running = torch.empty(signal.shape, dtype=torch.float32, device=signal.device)
     inclusive = restarts = None
     block_channels = _block_channels(channels)
-    num_warps = _num_warps(chunk_rows, channels, FORWARD_ELEMENTS_PER_THREAD)
+    num_warps = _num_warps(chunk_rows, block_channels, FORWARD_ELEMENTS_PER_THREAD, MAX_WARPS["forward"])
     with _on_device(signal):
         if chunks > 1:
             tails = torch.empty(batch_heads, chunks, channels, dtype=torch.float32, device=signal.device)
@@ -549,7 +553,7 @@ def integral_backward(
     grad_weight = torch.empty(batch_heads * chunks, channels, **float_options) if weight is not None else None
     grad_carry = torch.empty(batch_size, heads, channels, **float_options) if carry is not None else None
     block_channels = _block_channels(channels)
-    num_warps = _num_warps(chunk_rows, channels, BACKWARD_ELEMENTS_PER_THREAD)
+    num_warps = _num_warps(chunk_rows, block_channels, BACKWARD_ELEMENTS_PER_THREAD, MAX_WARPS["backward"])
 
     def launch(heads_only: bool, right_inclusive: torch.Tensor | None, heads_sum: torch.Tensor | None) -> None:
         _integral_backward_kernel[(batch_heads * chunks,)](

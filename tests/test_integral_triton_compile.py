@@ -3,7 +3,8 @@
 Triton's interpreter (`tests/test_integral_triton_kernel.py` under `TRITON_INTERPRET=1`) checks what the kernels
 compute, in numpy; it never runs Triton's compiler, so a kernel the interpreter runs may still fail to compile for a GPU
 (a type the compiler infers differently, a construct it does not lower). Here every variant the package launches
-(each combination of the kernels' compile-time flags, fp32, bf16 and fp16, one chunk and several) goes through Triton's
+(each combination of the kernels' compile-time flags, fp32, bf16 and fp16, head sizes 64 to 256, one chunk and
+several) goes through Triton's
 real pipeline down to a cubin for an Ampere (sm_80) and a Hopper (sm_90) GPU, with the `ptxas` Triton ships: a driver
 that answers with the target and launches nothing stands in for CUDA's.
 
@@ -32,6 +33,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs Triton without its interpreter (TRITON_INTERPRET unset) on a machine without a GPU",
 )
 
+DTYPES_AND_CHANNELS = (
+    (torch.float32, 128), (torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64), (torch.bfloat16, 256),
+)
 KERNELS = {
     "_chunk_tails_kernel", "_chunk_scan_kernel", "_integral_forward_kernel", "_integral_backward_kernel",
 }
@@ -75,9 +79,11 @@ def register_usage(cubin: bytes) -> str | None:
 def launch_every_variant() -> None:
     """`integral_forward` and `integral_backward` on CPU tensors (never read: nothing launches) for every variant:
     both head layouts (v1's head norm with its weight; v2's lambda per row), one chunk and several, with and without a
-    carry (and every row's state), with and without the state's gradient, documents restarting, three dtypes."""
-    batch_size, heads, channels = 2, 3, 128
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    carry (and every row's state), with and without the state's gradient, documents restarting, three dtypes, head
+    sizes 64, 128 and 256."""
+    batch_size, heads = 2, 3
+    # head sizes 64, 128 and 256 take each tile shape (`CHUNK_ROWS` x `BLOCK_CHANNELS`) the launches choose
+    for dtype, channels in DTYPES_AND_CHANNELS:
         for head_layout in ("v1", "v2"):
             for length in (1, 100):  # one chunk (a decoding step), several
                 attention_output = torch.zeros(batch_size, length, 2 * heads, channels, dtype=dtype)
@@ -117,6 +123,7 @@ def compile_every_variant(capability: int, patch) -> list[dict]:
         kernel = compile_and_launch(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append({
             "kernel": self.__name__,
+            "dtype": str(args[0].dtype).removeprefix("torch."),
             "arch": kernel.metadata.target.arch,
             "options": {key: value for key, value in kwargs.items() if key.isupper() or key == "num_warps"},
             "usage": register_usage(kernel.asm["cubin"]),
@@ -141,6 +148,9 @@ def test_every_kernel_variant_compiles_for_the_gpu(capability, monkeypatch):
         options = [record["options"] for record in compiled if record["kernel"] == name]
         for flag in (flag for flag, value in options[0].items() if isinstance(value, bool)):
             assert {option[flag] for option in options} == {False, True}, (name, flag)
+    forward_tiles = {(record["options"]["CHUNK_ROWS"], record["options"]["BLOCK_CHANNELS"])
+                     for record in compiled if record["kernel"] == "_integral_forward_kernel"}
+    assert forward_tiles == {(16, 64), (64, 64), (16, 128), (32, 128), (16, 256)}
 
 
 def main(argv: list[str]) -> None:
@@ -158,11 +168,11 @@ def main(argv: list[str]) -> None:
             setattr(obj, name, value)
     seen = set()
     for record in compiled:
-        key = (record["kernel"], tuple(sorted(record["options"].items())))
+        key = (record["kernel"], record["dtype"], tuple(sorted(record["options"].items())))
         if key not in seen:
             seen.add(key)
             options = " ".join(f"{name}={value}" for name, value in sorted(record["options"].items()))
-            print(f"{record['kernel']:26s} {record['usage']}  {options}")
+            print(f"{record['kernel']:26s} {record['dtype']:8s} {record['usage']}  {options}")
 
 
 if __name__ == "__main__":
