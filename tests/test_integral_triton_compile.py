@@ -139,6 +139,8 @@ def compile_every_variant(capability: int, patch) -> list[dict]:
     return compiled
 
 
+# Triton 3.9 announces that its default for FP fusion changes in 3.10; the kernels take the default of the release
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset:UserWarning")
 @pytest.mark.parametrize("capability", [80, 90], ids=["sm_80", "sm_90"])
 def test_every_kernel_variant_compiles_for_the_gpu(capability, monkeypatch):
     compiled = compile_every_variant(capability, monkeypatch.setattr)
