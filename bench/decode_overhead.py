@@ -12,7 +12,7 @@ order rotates); a ratio is the median over the rounds of the per-round ratios (p
 """
 
 import argparse
-import json
+import functools
 import os
 import statistics
 import sys
@@ -58,14 +58,13 @@ def main(argv=None) -> None:
     shapes.layers = args.layers
     models = {name: model.float() for name, model in gpu_bf16.build_models(shapes, MODELS).items()}
     prompt = torch.randint(0, models["dint_v2"].config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    for name in MODELS:  # warm-up
-        decode_seconds_per_token(models[name], prompt, 4)
-    samples = {name: [] for name in MODELS}
-    for round_index in range(args.rounds):
-        order = MODELS[round_index % len(MODELS) :] + MODELS[: round_index % len(MODELS)]
-        for name in order:
-            with timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
-                samples[name].append(decode_seconds_per_token(models[name], prompt, args.tokens))
+
+    def step(name: str) -> float:
+        with timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
+            return decode_seconds_per_token(models[name], prompt, args.tokens)
+
+    # a warm-up step each, then the rounds in a rotating order (`gpu_bf16.paired_rounds`)
+    samples, _ = gpu_bf16.paired_rounds("cpu", {name: functools.partial(step, name) for name in MODELS}, args.rounds)
     result = {
         "argv": sys.argv,
         "machine": bench_common.machine_info("cpu"),
@@ -88,12 +87,7 @@ def main(argv=None) -> None:
         "", "| pair | paired median ratio |", "| --- | ---: |",
         *(f"| {pair} | {ratio:.3f} |" for pair, ratio in result["paired_ratios"].items()),
     ]
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as file:
-        json.dump(result, file, indent=1)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as file:
-        file.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    bench_common.write_result(result, os.path.join(args.output_dir, "results.json"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
