@@ -112,7 +112,7 @@ def launch_every_variant() -> None:
 
 def compile_every_variant(capability: int, patch) -> list[dict]:
     """Compiles every variant for `sm_<capability>` (`patch(obj, name, value)` sets an attribute until the caller
-    restores it); returns one record per launch: the kernel, its compile-time arguments, the cubin's resource usage."""
+    restores it); returns one record per launch: the kernel, the dtype, its compile-time arguments, the cubin."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -126,7 +126,7 @@ def compile_every_variant(capability: int, patch) -> list[dict]:
             "dtype": str(args[0].dtype).removeprefix("torch."),
             "arch": kernel.metadata.target.arch,
             "options": {key: value for key, value in kwargs.items() if key.isupper() or key == "num_warps"},
-            "usage": register_usage(kernel.asm["cubin"]),
+            "cubin": kernel.asm["cubin"],
         })
         return kernel
 
@@ -157,24 +157,15 @@ def test_every_kernel_variant_compiles_for_the_gpu(capability, monkeypatch):
 
 def main(argv: list[str]) -> None:
     """Prints each distinct variant's registers and stack for `sm_<argv[0]>` (default 90)."""
-    originals = []
-
-    def patch(obj, name, value):
-        originals.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    try:
-        compiled = compile_every_variant(int(argv[0]) if argv else 90, patch)
-    finally:
-        for obj, name, value in reversed(originals):
-            setattr(obj, name, value)
+    with pytest.MonkeyPatch.context() as patches:
+        compiled = compile_every_variant(int(argv[0]) if argv else 90, patches.setattr)
     seen = set()
     for record in compiled:
         key = (record["kernel"], record["dtype"], tuple(sorted(record["options"].items())))
         if key not in seen:
             seen.add(key)
             options = " ".join(f"{name}={value}" for name, value in sorted(record["options"].items()))
-            print(f"{record['kernel']:26s} {record['dtype']:8s} {record['usage']}  {options}")
+            print(f"{record['kernel']:26s} {record['dtype']:8s} {register_usage(record['cubin'])}  {options}")
 
 
 if __name__ == "__main__":
