@@ -609,6 +609,24 @@ everywhere: the reference) or "triton" (the Triton kernel wherever it can comput
 `TRITON_INTERPRET=1` included: how machines without a GPU test it)."""
 
 
+TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT = 1 << 23
+"""With `DINT_INTEGRAL_KERNEL` unset, a CUDA call that wants no gradient and has fewer elements of O1 than this
+(`B * T * heads * C`: a decoding step, a short prefill) runs the eager ops, not the Triton kernel. There the GPU's
+work is microseconds either way and the call costs what the host spends issuing it, which is less for the eager ops'
+few launches than for Triton's launch path (its binder specializes some 40 arguments). Measured on an H200 (bf16,
+16 layers of 16 differential heads x 128 channels; `bench/results/gpu_bf16_h200`, commit 16dfe23, torch 2.11,
+transformers 5.17, triton 3.6), kernel against eager ops: one call of one row 117-122 against 75-99 us; a decoded
+token 23.3 against 21.1 ms (2048-token prompt) and 20.9 against 16.1 ms (32768); a prefill of 2048 tokens (4.2M
+elements per call) 26.8 against 22.0 ms, of 8192 (16.8M) 63.4 against 72.5 ms. Calls with a gradient always take
+the kernel (a training step at 4096 tokens: 95.0 against 104.6 ms)."""
+
+
+def triton_kernel_pays_off(signal_output: torch.Tensor, wants_gradient: bool) -> bool:
+    """Whether `DintIntegral.kernel_for` chooses the Triton kernel for a CUDA call it can compute, unforced: with a
+    gradient, or from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of O1 (`signal_output` `[B, T, heads, C]`)."""
+    return wants_gradient or signal_output.numel() >= TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT
+
+
 def requested_integral_kernel() -> str:
     """`DINT_INTEGRAL_KERNEL`, read at every call (a test or benchmark may change it between calls)."""
     requested = os.environ.get(INTEGRAL_KERNEL_VARIABLE) or "auto"
@@ -713,7 +731,8 @@ class DintIntegral:
         """Which implementation computes a call of the fast path (arguments as `__call__`'s), decided here only:
 
         - `"triton"` (`integral_triton_kernel`, forward and backward): CUDA tensors where Triton is importable, fp32,
-          bf16 or fp16; with `DINT_INTEGRAL_KERNEL=triton` also CPU tensors, under Triton's interpreter;
+          bf16 or fp16, with a gradient or large enough to pay for the kernel's launch (`triton_kernel_pays_off`);
+          with `DINT_INTEGRAL_KERNEL=triton` every such call, CPU tensors too, under Triton's interpreter;
         - `"cpu"` (`integral_cpu_kernel`, no gradient): CPU tensors, fp32 or bf16, no gradient wanted, where the C++ op
           builds (`takes_cpu_kernel`);
         - `"eager"`, the ops of `__call__` and the kernels' reference, everywhere else: `DINT_INTEGRAL_KERNEL=eager`,
@@ -730,7 +749,13 @@ class DintIntegral:
             if layout.carry_per_row or signal_output.dtype not in TRITON_DTYPES:
                 return EAGER
             if triton_kernel_runs_on(device):
-                return TRITON_KERNEL
+                if requested == TRITON_KERNEL:
+                    return TRITON_KERNEL
+                wants_gradient = torch.is_grad_enabled() and (
+                    signal_output.requires_grad or noise_output.requires_grad or lambda_.requires_grad
+                    or (getattr(head_norm, "weight", None) is not None and head_norm.weight.requires_grad)
+                )
+                return TRITON_KERNEL if triton_kernel_pays_off(signal_output, wants_gradient) else EAGER
             if requested == TRITON_KERNEL:
                 raise RuntimeError(
                     f"{INTEGRAL_KERNEL_VARIABLE}=triton, but Triton cannot run on {device.type} tensors here: "

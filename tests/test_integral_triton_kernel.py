@@ -301,7 +301,8 @@ def test_no_new_compilation_per_length_or_batch_size(monkeypatch):
 
 def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     """`DINT_INTEGRAL_KERNEL`: "eager" runs the eager ops, "triton" the kernel (here, on CPU, under the interpreter),
-    unset chooses by device (CUDA: the kernel); another value is refused, naming the variable and the choices."""
+    unset chooses by device (CUDA: the kernel where it pays off, here with a gradient); another value is refused,
+    naming the variable and the choices."""
     integral = DintIntegral("mean", layer_idx=0)
     attention_output = torch.randn(1, 8, 4, 16, device=DEVICE)
     signal, noise = attention_output.chunk(2, dim=2)
@@ -314,10 +315,29 @@ def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     assert integral.kernel_for(*arguments[:-1], None) == "eager"  # a caller that normalizes itself
     monkeypatch.delenv("DINT_INTEGRAL_KERNEL")
     cpu_kernel = "cpu" if integral_kernel() is not None else "eager"  # (where a C++ compiler builds it)
-    assert integral.kernel_for(*arguments) == ("triton" if DEVICE == "cuda" else cpu_kernel)
+    assert integral.kernel_for(*arguments) == ("eager" if DEVICE == "cuda" else cpu_kernel)  # CUDA: a short call
+    wanting_gradient = (signal.requires_grad_(), noise, *arguments[2:])
+    assert integral.kernel_for(*wanting_gradient) == ("triton" if DEVICE == "cuda" else "eager")
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "fast")
     with pytest.raises(ValueError, match="DINT_INTEGRAL_KERNEL='fast' is not one of auto, eager, triton"):
         integral.kernel_for(*arguments)
+
+
+def test_unforced_the_kernel_takes_calls_with_a_gradient_or_many_elements():
+    """With `DINT_INTEGRAL_KERNEL` unset, CUDA calls take the kernel where it costs less than the eager ops (measured on
+    an H200): every call with a gradient, and calls without one from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of
+    O1 on (not a decoding step or a short prefill, where the host's time to launch it is the call's cost)."""
+    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT, triton_kernel_pays_off
+
+    def signal(batch_size, rows, heads=16, channels=128):
+        return torch.empty(batch_size, rows, heads, channels, device="meta")
+
+    assert not triton_kernel_pays_off(signal(1, 1), wants_gradient=False)  # decoding
+    assert not triton_kernel_pays_off(signal(8, 1), wants_gradient=False)
+    assert not triton_kernel_pays_off(signal(1, 2048), wants_gradient=False)  # 4.2M elements: eager measured faster
+    assert triton_kernel_pays_off(signal(1, 8192), wants_gradient=False)  # 16.8M: the kernel measured faster
+    assert triton_kernel_pays_off(signal(1, 1), wants_gradient=True)
+    assert triton_kernel_pays_off(signal(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048, 16, 128), False)
 
 
 def test_the_kernel_steps_aside_where_it_cannot_compute_the_call(monkeypatch):
