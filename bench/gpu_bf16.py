@@ -18,8 +18,9 @@ Stages, in order; each rewrites `results.json` and `results.md` when it ends (a 
 it measured), and one that would pass `--budget` seconds is skipped and says so:
 1. `tests`: `tests/test_gpu.py` and the Triton kernel's tests (`GPU_KERNEL_TESTS`), on CUDA, for `--tests-seconds`;
 2. `integral`: `DintIntegral` alone per call, the Triton kernel against the eager ops: a decoding step's launch cost
-   (one row, batch 1 and 8) and 4096 rows forward and with backward (the backward kernel also at 16 tile elements
-   per thread, the warps it had before its registers were read), at both layouts' shapes;
+   (one row, batch 1 and 8), 4096 and 32768 rows forward (also the GPU's time alone, replayed from a CUDA graph) and
+   4096 with backward (the backward kernel also at 16 tile elements per thread, the warps it had before its registers
+   were read), at both layouts' shapes;
 3. `train`: a training step (LM loss, forward and backward) at `TRAIN_LENGTHS` tokens: time, tokens/s, peak memory;
 4. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
 5. `decode`: per decoded token with the dynamic cache after prompts of `DECODE_PROMPTS` tokens (eager), and the
@@ -69,6 +70,9 @@ V1_GROUP = ("dint_v1", "diffllama", "dint_v1_eager_ops")
 V2_GROUP = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v2_eager_ops")
 EAGER_OPS = {"dint_v1_eager_ops": "dint_v1", "dint_v2_eager_ops": "dint_v2"}
 """Variants that run a model of the group with the integral's eager ops: `{variant: model}`."""
+GRAPHED = ", GPU time in a CUDA graph"
+"""The `integral` stage's forward-only cases also give each variant's GPU time alone (`triton.testing.
+do_bench_cudagraph`: the calls replayed from a CUDA graph, the host's launch cost left out)."""
 TRITON_BACKWARD_AT_16 = "triton, backward at 16 elements per thread"
 """The `integral` stage's third timing of a call with a backward (the backward's warps it had first)."""
 COMPILED_GROUPS = (("dint_v2", "diff_v2", "llama_2h"), ("dint_v1", "diffllama"))
@@ -340,9 +344,10 @@ def compiled_decode(models, args, groups, deadline, result) -> None:
 
 def integral_calls(args) -> dict:
     """The integral alone, per call (`DintIntegral.__call__`), the Triton kernel against the eager ops, at a decoding
-    step (batch 1 and 8, one row: what a launch costs) and at 4096 rows (forward, and forward with backward; also
-    packed documents of 64 rows, each a restart of the running sums), both layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda per row):
-    `{case: {kernel: [seconds per call, per round]}}`."""
+    step (batch 1 and 8, one row: what a launch costs), at 4096 and 32768 rows forward (and the GPU's time alone,
+    `GRAPHED`), and at 4096 forward with backward (also packed documents of 64 rows, each a restart of the running
+    sums), both layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda
+    per row): `{case: {kernel: [seconds per call, per round]}}`."""
     from torch import nn
 
     import modeling_dint.integral_triton_kernel as triton_kernel
@@ -352,8 +357,8 @@ def integral_calls(args) -> dict:
     integral = DintIntegral("mean", layer_idx=0)
     calls = {}
     for layout_name in ("v1", "v2"):
-        cases = ((1, 1, False, None), (8, 1, False, None), (1, 4096, False, None), (1, 4096, True, None),
-                 (1, 4096, True, 64))  # (batch, rows, backward, rows per packed document)
+        cases = ((1, 1, False, None), (8, 1, False, None), (1, 4096, False, None), (1, 32768, False, None),
+                 (1, 4096, True, None), (1, 4096, True, 64))  # (batch, rows, backward, rows per packed document)
         for batch_size, rows, backward, document_rows in cases:
             rows = min(rows, 64) if args.smoke else rows
             attention_output = torch.randn(batch_size, rows, 2 * heads, channels, device=args.device,
@@ -394,6 +399,10 @@ def integral_calls(args) -> dict:
                 try:
                     call()
                     samples = [timed(args.device, lambda: [call() for _ in range(repeat)]) / repeat for _ in range(3)]
+                    if not backward and args.device.startswith("cuda"):
+                        import triton.testing
+
+                        calls[case][variant + GRAPHED] = [triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e-3]
                 finally:
                     os.environ.pop("DINT_INTEGRAL_KERNEL", None)
                     triton_kernel.BACKWARD_ELEMENTS_PER_THREAD = elements_per_thread
@@ -479,15 +488,18 @@ def markdown(result: dict, args) -> str:
                                  for prompt, values in by_prompt.items() if name.startswith("dint")) + " | |")
     if result.get("integral_calls"):
         lines += ["", "## integral", "", "`DintIntegral` alone, microseconds per call (median of 3 rounds)", "",
-                  "| case | Triton kernel | eager ops | kernel / eager | kernel, backward at 16 elements per thread |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| case | Triton kernel | eager ops | kernel / eager | kernel, backward at 16 elements per thread "
+                  "| GPU time in a CUDA graph: kernel, eager ops |", "| --- | --- | --- | --- | --- | --- |"]
         for case, by_kernel in result["integral_calls"].items():
             if case == "errors":
                 continue
             triton_us, eager_us = (statistics.median(by_kernel[kernel]) * 1e6 for kernel in ("triton", "eager"))
             at_16 = by_kernel.get(TRITON_BACKWARD_AT_16)
             at_16_us = f"{statistics.median(at_16) * 1e6:.1f}" if at_16 else "-"
-            lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} | {at_16_us} |")
+            graphed = [by_kernel.get(kernel + GRAPHED) for kernel in ("triton", "eager")]
+            graphed_us = ", ".join(f"{values[0] * 1e6:.1f}" for values in graphed) if all(graphed) else "-"
+            lines.append(f"| {case} | {triton_us:.1f} | {eager_us:.1f} | {triton_us / eager_us:.3f} | {at_16_us} "
+                         f"| {graphed_us} |")
     for stage in ("tests", "integral_calls", "train", "prefill", "decode", "batched_generate", "compiled_decode"):
         for error in (result.get(stage) or {}).get("errors", []) if isinstance(result.get(stage), dict) else []:
             lines += ["", f"{stage}: error", "", "```", error.strip(), "```"]
