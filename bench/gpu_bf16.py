@@ -402,7 +402,8 @@ def integral_calls(args) -> dict:
                     if not backward and args.device.startswith("cuda"):
                         import triton.testing
 
-                        calls[case][variant + GRAPHED] = [triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median") * 1e-3]
+                        graphed_ms = triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median")
+                        calls[case][variant + GRAPHED] = [graphed_ms * 1e-3]
                 finally:
                     os.environ.pop("DINT_INTEGRAL_KERNEL", None)
                     triton_kernel.BACKWARD_ELEMENTS_PER_THREAD = elements_per_thread
