@@ -610,21 +610,35 @@ everywhere: the reference) or "triton" (the Triton kernel wherever it can comput
 
 
 TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT = 1 << 23
-"""With `DINT_INTEGRAL_KERNEL` unset, a CUDA call that wants no gradient and has fewer elements of O1 than this
-(`B * T * heads * C`: a decoding step, a short prefill) runs the eager ops, not the Triton kernel. There the GPU's
-work is microseconds either way and the call costs what the host spends issuing it, which is less for the eager ops'
-few launches than for Triton's launch path (its binder specializes some 40 arguments). Measured on an H200 (bf16,
-16 layers of 16 differential heads x 128 channels; `bench/results/gpu_bf16_h200`, commit 16dfe23, torch 2.11,
-transformers 5.17, triton 3.6), kernel against eager ops: one call of one row 117-122 against 75-99 us; a decoded
-token 23.3 against 21.1 ms (2048-token prompt) and 20.9 against 16.1 ms (32768); a prefill of 2048 tokens (4.2M
-elements per call) 26.8 against 22.0 ms, of 8192 (16.8M) 63.4 against 72.5 ms. Calls with a gradient always take
-the kernel (a training step at 4096 tokens: 95.0 against 104.6 ms)."""
+"""With `DINT_INTEGRAL_KERNEL` unset, a CUDA call of an attention in eval mode that wants no gradient and has fewer
+elements of O1 than this (`B * T * heads * C`: a decoding step, a short prefill) runs the eager ops, not the Triton
+kernel. Measured on an H200 (bf16, 1B shape: 16 layers of 16 differential heads x 128 channels;
+`bench/results/gpu_bf16_h200`, commit 16dfe23, torch 2.11, transformers 5.17, triton 3.6), the model with the kernel
+against the same model with the eager ops: a decoded token 23.3 against 21.1 ms (2048-token prompt) and 20.9 against
+16.1 ms (32768); a prefill of 2048 tokens (4.2M elements per call) 26.8 against 22.3 ms, of 8192 (16.8M) 63.4 against
+72.5 ms. At those short calls that machine ran the models host-bound (Llama with half the query heads took Llama's
+time), and the kernel's calls cost the host more than the eager ops' (one row: 117-122 against 75-99 us per call,
+counting the launch; at 2048 rows three launches); why the kernel's model lost 4.5 ms at 2048 tokens, more than its
+launches explain, is for the next GPU run's per-call GPU times (`bench/gpu_bf16.py`'s `integral` stage) to show."""
 
 
-def triton_kernel_pays_off(signal_output: torch.Tensor, wants_gradient: bool) -> bool:
+def wants_gradient(signal_output, noise_output, lambda_: torch.Tensor, head_norm: nn.Module) -> bool:
+    """Whether autograd records a call of the integral (arguments as `DintIntegral.__call__`'s): grad mode on and O1,
+    O2, lambda or the head norm's weight requiring a gradient."""
+    weight = getattr(head_norm, "weight", None)
+    return torch.is_grad_enabled() and (
+        signal_output.requires_grad or noise_output.requires_grad or lambda_.requires_grad
+        or (weight is not None and weight.requires_grad)
+    )
+
+
+def triton_kernel_pays_off(signal_output: torch.Tensor, gradient: bool, training: bool) -> bool:
     """Whether `DintIntegral.kernel_for` chooses the Triton kernel for a CUDA call it can compute, unforced: with a
-    gradient, or from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of O1 (`signal_output` `[B, T, heads, C]`)."""
-    return wants_gradient or signal_output.numel() >= TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT
+    gradient (`wants_gradient`; whole training steps ran faster through the kernel, 95.0 against 104.6 ms at 4096
+    tokens and 525 against 553 at 16384 on the H200), in training mode (`training`: a reentrant checkpoint's first
+    forward runs without a gradient and its recomputation with one; both take the kernel, so that they round alike),
+    or from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of O1 (`signal_output` `[B, T, heads, C]`)."""
+    return gradient or training or signal_output.numel() >= TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT
 
 
 def requested_integral_kernel() -> str:
@@ -731,7 +745,7 @@ class DintIntegral:
         """Which implementation computes a call of the fast path (arguments as `__call__`'s), decided here only:
 
         - `"triton"` (`integral_triton_kernel`, forward and backward): CUDA tensors where Triton is importable, fp32,
-          bf16 or fp16, with a gradient or large enough to pay for the kernel's launch (`triton_kernel_pays_off`);
+          bf16 or fp16, with a gradient, in training mode, or large enough (`triton_kernel_pays_off`);
           with `DINT_INTEGRAL_KERNEL=triton` every such call, CPU tensors too, under Triton's interpreter;
         - `"cpu"` (`integral_cpu_kernel`, no gradient): CPU tensors, fp32 or bf16, no gradient wanted, where the C++ op
           builds (`takes_cpu_kernel`);
@@ -751,11 +765,8 @@ class DintIntegral:
             if triton_kernel_runs_on(device):
                 if requested == TRITON_KERNEL:
                     return TRITON_KERNEL
-                wants_gradient = torch.is_grad_enabled() and (
-                    signal_output.requires_grad or noise_output.requires_grad or lambda_.requires_grad
-                    or (getattr(head_norm, "weight", None) is not None and head_norm.weight.requires_grad)
-                )
-                return TRITON_KERNEL if triton_kernel_pays_off(signal_output, wants_gradient) else EAGER
+                gradient = wants_gradient(signal_output, noise_output, lambda_, head_norm)
+                return TRITON_KERNEL if triton_kernel_pays_off(signal_output, gradient, head_norm.training) else EAGER
             if requested == TRITON_KERNEL:
                 raise RuntimeError(
                     f"{INTEGRAL_KERNEL_VARIABLE}=triton, but Triton cannot run on {device.type} tensors here: "
@@ -783,11 +794,7 @@ class DintIntegral:
         table."""
         if signal_output.device.type != "cpu" or signal_output.dtype not in KERNEL_DTYPES:
             return False
-        weight = head_norm.weight if isinstance(head_norm, nn.RMSNorm) else None
-        if torch.is_grad_enabled() and (
-            signal_output.requires_grad or noise_output.requires_grad or lambda_.requires_grad
-            or (weight is not None and weight.requires_grad)
-        ):
+        if wants_gradient(signal_output, noise_output, lambda_, head_norm):
             return False
         if layout.carry_per_row and cache is not None:
             if not hasattr(cache, "integral_state_table"):

@@ -301,13 +301,13 @@ def test_no_new_compilation_per_length_or_batch_size(monkeypatch):
 
 def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     """`DINT_INTEGRAL_KERNEL`: "eager" runs the eager ops, "triton" the kernel (here, on CPU, under the interpreter),
-    unset chooses by device (CUDA: the kernel where it pays off, here with a gradient); another value is refused,
-    naming the variable and the choices."""
+    unset chooses by device (CUDA: the kernel where it pays off, here in training mode or with a gradient); another
+    value is refused, naming the variable and the choices."""
     integral = DintIntegral("mean", layer_idx=0)
     attention_output = torch.randn(1, 8, 4, 16, device=DEVICE)
     signal, noise = attention_output.chunk(2, dim=2)
     layout = DintIntegralLayout.build(None, None, None, 1, 8, torch.device(DEVICE))
-    arguments = (signal, noise, torch.tensor(0.5, device=DEVICE), layout, None, nn.Identity())
+    arguments = (signal, noise, torch.tensor(0.5, device=DEVICE), layout, None, nn.Identity().eval())
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
     assert integral.kernel_for(*arguments) == "eager"
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "triton")
@@ -316,6 +316,8 @@ def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     monkeypatch.delenv("DINT_INTEGRAL_KERNEL")
     cpu_kernel = "cpu" if integral_kernel() is not None else "eager"  # (where a C++ compiler builds it)
     assert integral.kernel_for(*arguments) == ("eager" if DEVICE == "cuda" else cpu_kernel)  # CUDA: a short call
+    in_training = (*arguments[:-1], nn.Identity().train())
+    assert integral.kernel_for(*in_training) == ("triton" if DEVICE == "cuda" else cpu_kernel)
     wanting_gradient = (signal.requires_grad_(), noise, *arguments[2:])
     assert integral.kernel_for(*wanting_gradient) == ("triton" if DEVICE == "cuda" else "eager")
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "fast")
@@ -323,21 +325,36 @@ def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
         integral.kernel_for(*arguments)
 
 
-def test_unforced_the_kernel_takes_calls_with_a_gradient_or_many_elements():
-    """With `DINT_INTEGRAL_KERNEL` unset, CUDA calls take the kernel where it costs less than the eager ops (measured on
-    an H200): every call with a gradient, and calls without one from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of
-    O1 on (not a decoding step or a short prefill, where the host's time to launch it is the call's cost)."""
-    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT, triton_kernel_pays_off
+def test_unforced_the_kernel_takes_calls_with_a_gradient_in_training_or_with_many_elements():
+    """With `DINT_INTEGRAL_KERNEL` unset, CUDA calls take the kernel where it cost less than the eager ops on an H200:
+    every call with a gradient (any of O1, O2, lambda and the head norm's weight requiring one, in grad mode), every
+    call in training mode (a reentrant checkpoint's forward without gradient rounds as its recomputation), and calls
+    from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of O1 on (not a decoding step or a short prefill)."""
+    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT, triton_kernel_pays_off, wants_gradient
 
     def signal(batch_size, rows, heads=16, channels=128):
         return torch.empty(batch_size, rows, heads, channels, device="meta")
 
-    assert not triton_kernel_pays_off(signal(1, 1), wants_gradient=False)  # decoding
-    assert not triton_kernel_pays_off(signal(8, 1), wants_gradient=False)
-    assert not triton_kernel_pays_off(signal(1, 2048), wants_gradient=False)  # 4.2M elements: eager measured faster
-    assert triton_kernel_pays_off(signal(1, 8192), wants_gradient=False)  # 16.8M: the kernel measured faster
-    assert triton_kernel_pays_off(signal(1, 1), wants_gradient=True)
-    assert triton_kernel_pays_off(signal(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048, 16, 128), False)
+    assert not triton_kernel_pays_off(signal(1, 1), gradient=False, training=False)  # decoding
+    assert not triton_kernel_pays_off(signal(8, 1), gradient=False, training=False)
+    assert not triton_kernel_pays_off(signal(1, 2048), gradient=False, training=False)  # 4.2M: eager measured faster
+    assert triton_kernel_pays_off(signal(1, 8192), gradient=False, training=False)  # 16.8M: the kernel measured faster
+    assert triton_kernel_pays_off(signal(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048), False, False)
+    assert triton_kernel_pays_off(signal(1, 1), gradient=True, training=False)
+    assert triton_kernel_pays_off(signal(1, 1), gradient=False, training=True)
+
+    outputs = torch.randn(1, 4, 4, 8).chunk(2, dim=2)
+    lambda_ = torch.tensor(0.5)
+    assert not wants_gradient(*outputs, lambda_, nn.Identity())
+    assert not wants_gradient(*outputs, lambda_, nn.RMSNorm(8, elementwise_affine=False))  # no weight
+    assert wants_gradient(*outputs, lambda_, nn.RMSNorm(8))  # its weight
+    assert wants_gradient(*outputs, lambda_.clone().requires_grad_(), nn.Identity())
+    tracked = torch.randn(1, 4, 4, 8, requires_grad=True).chunk(2, dim=2)  # a LoRA-adapted projection's outputs
+    assert wants_gradient(*tracked, lambda_, nn.Identity())
+    with torch.no_grad():
+        assert not wants_gradient(*tracked, lambda_.clone().requires_grad_(), nn.RMSNorm(8))
+    frozen = nn.RMSNorm(8).requires_grad_(False)
+    assert not wants_gradient(*outputs, lambda_, frozen)
 
 
 def test_the_kernel_steps_aside_where_it_cannot_compute_the_call(monkeypatch):
