@@ -18,9 +18,9 @@ Stages, in this order (by priority); each rewrites `results.json` and `results.m
 limit keeps what it measured), and one that would pass `--budget` seconds is skipped and says so:
 1. `tests`: `tests/test_gpu.py` and the Triton kernel's tests (`GPU_KERNEL_TESTS`), on CUDA, for `--tests-seconds`;
 2. `integral`: `DintIntegral` alone per call, the Triton kernel against the eager ops: a decoding step's launch cost
-   (one row, batch 1 and 8), 4096 and 32768 rows forward (also the GPU's time alone, replayed from a CUDA graph) and
-   4096 with backward (the backward kernel also at 16 tile elements per thread, the warps it had before its registers
-   were read), at both layouts' shapes;
+   (one row, batch 1 and 8), 4096 and 32768 rows forward and 4096 with backward (the backward kernel also at 16 tile
+   elements per thread, the warps it had before its registers were read), at both layouts' shapes, each also as the
+   GPU's time alone (replayed from a CUDA graph);
 3. `train`: a training step (LM loss, forward and backward) at `TRAIN_LENGTHS` tokens: time, tokens/s, peak memory;
 4. `prefill`: a forward without gradient at `PREFILL_LENGTHS` tokens (the last position's logits);
 5. `compiled_decode`: per token with a static cache and `torch.compile` in CUDA-graph mode ("reduce-overhead"), per
@@ -70,8 +70,8 @@ V2_GROUP = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v2_eager_ops")
 EAGER_OPS = {"dint_v1_eager_ops": "dint_v1", "dint_v2_eager_ops": "dint_v2"}
 """Variants that run a model of the group with the integral's eager ops: `{variant: model}`."""
 GRAPHED = ", GPU time in a CUDA graph"
-"""The `integral` stage's forward-only cases also give each variant's GPU time alone (`triton.testing.
-do_bench_cudagraph`: the calls replayed from a CUDA graph, the host's launch cost left out)."""
+"""The `integral` stage's cases also give each variant's GPU time alone (`triton.testing.do_bench_cudagraph`: the
+calls, with their backward where the case has one, replayed from a CUDA graph, the host's launch cost left out)."""
 TRITON_BACKWARD_AT_16 = "triton, backward at 16 elements per thread"
 """The `integral` stage's third timing of a call with a backward (the backward's warps it had first)."""
 COMPILED_GROUPS = (("dint_v2", "diff_v2", "llama_2h"), ("diffllama", "dint_v1"))
@@ -347,10 +347,10 @@ def compiled_decode(models, args, groups, deadline, result) -> None:
 
 def integral_calls(args) -> dict:
     """The integral alone, per call (`DintIntegral.__call__`), the Triton kernel against the eager ops, at a decoding
-    step (batch 1 and 8, one row: what a launch costs), at 4096 and 32768 rows forward (and the GPU's time alone,
-    `GRAPHED`), and at 4096 forward with backward (also packed documents of 64 rows, each a restart of the running
-    sums), both layouts' shapes (v1: 16 heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda
-    per row): `{case: {kernel: [seconds per call, per round]}}`."""
+    step (batch 1 and 8, one row: what a launch costs), at 4096 and 32768 rows forward, and at 4096 forward with
+    backward (also packed documents of 64 rows, each a restart of the running sums), both layouts' shapes (v1: 16
+    heads of 128 channels, a scalar lambda, the head norm; v2: 16 of 128, lambda per row), each case also as the GPU's
+    time alone (`GRAPHED`): `{case: {kernel: [seconds per call, per round]}}`."""
     from torch import nn
 
     import modeling_dint.integral_triton_kernel as triton_kernel
@@ -386,6 +386,12 @@ def integral_calls(args) -> dict:
                     if backward:
                         output.float().sum().backward()
 
+            def call_in_a_graph():  # the gradients returned, not accumulated: a CUDA graph replays what it captured
+                with torch.set_grad_enabled(backward):
+                    output = integral(signal, noise, lambda_, layout, None, head_norm)
+                    if backward:
+                        torch.autograd.grad(output.float().sum(), (attention_output, lambda_))
+
             repeat = 3 if args.smoke else (200 if rows == 1 else 20)
             case = (f"{layout_name} B={batch_size} T={rows}{' +backward' if backward else ''}"
                     f"{f' documents of {document_rows}' if document_rows else ''}")
@@ -402,11 +408,12 @@ def integral_calls(args) -> dict:
                 try:
                     call()
                     samples = [timed(args.device, lambda: [call() for _ in range(repeat)]) / repeat for _ in range(3)]
-                    if not backward and args.device.startswith("cuda"):
+                    if args.device.startswith("cuda"):
                         import triton.testing
 
                         try:  # its own failure: the case's host-side timings are kept
-                            graphed_ms = triton.testing.do_bench_cudagraph(call, rep=20, return_mode="median")
+                            graphed_ms = triton.testing.do_bench_cudagraph(call_in_a_graph, rep=20,
+                                                                           return_mode="median")
                             calls[case][variant + GRAPHED] = [graphed_ms * 1e-3]
                         except Exception:  # noqa: BLE001 (recorded; the stage goes on)
                             calls.setdefault("errors", []).append(traceback.format_exc())
