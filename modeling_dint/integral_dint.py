@@ -482,8 +482,8 @@ def combine_with_integral(
     """The fast path's DINT output, `A1 V - lambda * A2 V + lambda * G V = O1 - lambda * (O2 - S / c)` (fp32).
 
     Args:
-        signal_output, noise_output (`[..., T, heads, C]`, fp32; on CUDA also the model's dtype, which its ops cast
-            to fp32 as they read it): O1 and O2.
+        signal_output, noise_output (`[..., T, heads, C]`, fp32; on CUDA without a gradient also the model's dtype,
+            which its ops cast to fp32 as they read it): O1 and O2.
         lambda_ (`torch.Tensor`, fp32): a scalar (v1) or one per row and head `[..., T, heads, 1]` (v2).
         running_signal_sum (`[..., T, heads, C]`, fp32): S, the running sum of O1 over the rows of each document.
         inverse_query_count (broadcastable to `[..., T, 1, 1]`, fp32): 1 / c_n.
@@ -728,11 +728,12 @@ class DintIntegral:
         if kernel == CPU_KERNEL:
             return self._cpu_kernel(signal_output, noise_output, lambda_, layout, cache, head_norm)
         output_dtype = signal_output.dtype
-        # The sums and the combination are fp32. On CPU both outputs are cast once here (a no-op in fp32): an op with
-        # bf16 and fp32 operands casts its bf16 ones in copies of its own there (issue 31: three copies, 1.12 -> 1.07 of
-        # DiffLlama's time). CUDA's ops cast each element as they read it, to the same fp32 values, so there the casts
-        # would be two more launches per layer and token (a decoding step's cost on a GPU) and two fp32 copies.
-        if signal_output.device.type != "cuda":
+        # The sums and the combination are fp32. Both outputs are cast once here (a no-op in fp32): on CPU an op with
+        # bf16 and fp32 operands casts its bf16 ones in copies of its own (issue 31: three copies, 1.12 -> 1.07 of
+        # DiffLlama's time), and with a gradient the one cast sums O1's gradients from its several uses in fp32. CUDA's
+        # ops cast each element as they read it, to the same fp32 values, so without a gradient the casts would be two
+        # more launches per layer and token there (a decoding step's cost on a GPU) and two fp32 copies.
+        if signal_output.device.type != "cuda" or wants_gradient(signal_output, noise_output, lambda_, head_norm):
             signal_output, noise_output = signal_output.float(), noise_output.float()
         carry = carried_state(cache, self.layer_idx, SIGNAL_SUM) if cache is not None else None
         running_signal_sum = segmented_running_sum(signal_output, layout, carry)  # [B, T, heads, C]
