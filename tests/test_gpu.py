@@ -119,32 +119,6 @@ def test_compiled_static_decode_uses_cuda_graphs_and_gives_the_eager_tokens(diff
 
 
 @cuda
-def test_unforced_short_calls_without_gradient_take_the_eager_ops_on_cuda(monkeypatch):
-    """With `DINT_INTEGRAL_KERNEL` unset, a CUDA call of a model in eval mode without a gradient below
-    `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` runs the eager ops (a decoding step), one at or above it the Triton kernel,
-    and a call in training mode or with a gradient the kernel (what the H200 run measured faster)."""
-    from torch import nn
-
-    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT, DintIntegral, DintIntegralLayout
-
-    monkeypatch.delenv("DINT_INTEGRAL_KERNEL", raising=False)
-    integral = DintIntegral("mean", layer_idx=0)
-    heads, channels = 16, 128
-
-    def kernel(rows, head_norm, requires_grad=False):
-        output = torch.randn(1, rows, 2 * heads, channels, device="cuda", dtype=torch.bfloat16)
-        signal, noise = output[:, :, 0::2].requires_grad_(requires_grad), output[:, :, 1::2]
-        layout = DintIntegralLayout.build(None, None, None, 1, rows, torch.device("cuda"))
-        return integral.kernel_for(signal, noise, torch.rand(1, rows, heads, 1, device="cuda"), layout, None, head_norm)
-
-    long_rows = TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // (heads * channels)
-    assert kernel(1, nn.Identity().eval()) == "eager"
-    assert kernel(long_rows, nn.Identity().eval()) == "triton"
-    assert kernel(1, nn.Identity().train()) == "triton"
-    assert kernel(1, nn.Identity().eval(), requires_grad=True) == "triton"
-
-
-@cuda
 @pytest.mark.parametrize("rows", [1, 37])
 def test_the_eager_ops_on_cuda_read_bf16_outputs_as_their_fp32_casts(rows, monkeypatch):
     """Without a gradient the eager ops on CUDA read O1 and O2 in bf16 (CUDA's ops cast each element as they read it):

@@ -301,8 +301,10 @@ def test_no_new_compilation_per_length_or_batch_size(monkeypatch):
 
 def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     """`DINT_INTEGRAL_KERNEL`: "eager" runs the eager ops, "triton" the kernel (here, on CPU, under the interpreter),
-    unset chooses by device (CUDA: the kernel where it pays off, here in training mode or with a gradient); another
-    value is refused, naming the variable and the choices."""
+    unset chooses by device (CUDA: the kernel where it pays off, here in training mode, with a gradient or from the
+    threshold's elements on); another value is refused, naming the variable and the choices."""
+    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT
+
     integral = DintIntegral("mean", layer_idx=0)
     attention_output = torch.randn(1, 8, 4, 16, device=DEVICE)
     signal, noise = attention_output.chunk(2, dim=2)
@@ -318,6 +320,12 @@ def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
     assert integral.kernel_for(*arguments) == ("eager" if DEVICE == "cuda" else cpu_kernel)  # CUDA: a short call
     in_training = (*arguments[:-1], nn.Identity().train())
     assert integral.kernel_for(*in_training) == ("triton" if DEVICE == "cuda" else cpu_kernel)
+    if DEVICE == "cuda":  # a call from the threshold on, in eval mode without a gradient
+        rows = TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // (2 * 8)
+        long_output = torch.randn(1, rows, 4, 8, device=DEVICE)
+        long_layout = DintIntegralLayout.build(None, None, None, 1, rows, torch.device(DEVICE))
+        assert integral.kernel_for(*long_output.chunk(2, dim=2), *arguments[2:3], long_layout, None,
+                                   nn.Identity().eval()) == "triton"
     wanting_gradient = (signal.requires_grad_(), noise, *arguments[2:])
     assert integral.kernel_for(*wanting_gradient) == ("triton" if DEVICE == "cuda" else "eager")
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "fast")
