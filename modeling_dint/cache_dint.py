@@ -13,10 +13,9 @@ static variant): they keep, per layer and in fp32, the recurrent states
 - `COLUMN_SUMS` `[B, H/2, K]`: the sum of the signal maps `A1` over those rows, one value per cached key (the
   materializing path: eager attention, or integral "softmax"),
 
-This file is storage only: the integral (`integral_dint.DintIntegral`) reads and writes the states through
-transformers' Cache-level methods, `cache.get_recurrent_state(layer_idx, state_idx)` and
-`cache.update_recurrent_state(state, layer_idx, state_idx=..., running_rows=...)` (`transformers_compat.
-get_recurrent_state` on releases before 5.23), and checks a cache once (`integral_dint.check_dint_cache`). `reset`, `reorder_cache` (beam search),
+This file is storage, and the check that a cache can carry a model's states (`check_dint_cache`, once per cache): the
+integral reads and writes the states through `integral_dint.CacheIntegralState` (`get_integral_state`,
+`update_recurrent_state` of these layers, on every supported release). `reset`, `reorder_cache` (beam search),
 offloading and the static layer's fixed addresses are transformers'. DINT adds `batch_repeat_interleave` /
 `batch_select_indices` for the states, and a `crop` that rolls the states back over the rows recorded since
 `activate_past_recording()` (assisted and prompt-lookup decoding), where transformers' linear-attention layers refuse.
@@ -30,7 +29,11 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from .configuration_dint import DINT_LAYER_TYPE, uses_materializing_path
-from .transformers_compat import RecurrentStateAndFullAttentionLayer, RecurrentStateAndStaticFullAttentionLayer
+from .transformers_compat import (
+    RecurrentStateAndFullAttentionLayer,
+    RecurrentStateAndStaticFullAttentionLayer,
+    build_dint_cache_layers,
+)
 
 
 QUERY_COUNT, SIGNAL_SUM, COLUMN_SUMS = 0, 1, 2
@@ -197,8 +200,11 @@ class DintDynamicLayer(DintIntegralStateMixin, RecurrentStateAndFullAttentionLay
         self._init_integral_state()
 
     def _store_recurrent_state(self, state: torch.Tensor, state_idx: int) -> torch.Tensor:
-        # A copy where `state` is one row of a running tensor: a view would keep the whole tensor alive in the cache.
-        self.recurrent_states[state_idx] = state.contiguous()
+        # A copy where `state` does not own its storage (a row of a call's running sums, `[B, T, ...]`): a view would
+        # keep the whole running tensor alive in the cache. A decoding step adds to the stored tensor in place.
+        if not state.is_contiguous() or state.untyped_storage().nbytes() != state.numel() * state.element_size():
+            state = state.clone(memory_format=torch.contiguous_format)
+        self.recurrent_states[state_idx] = state
         self.is_recurrent_states_initialized[state_idx] = True
         return self.recurrent_states[state_idx]
 
@@ -272,6 +278,54 @@ class DintStaticLayer(DintIntegralStateMixin, RecurrentStateAndStaticFullAttenti
         self._reset_integral()
 
 
+def integral_state_index(integral: str, materializing: bool) -> int | None:
+    """The sums a model carries from call to call: `SIGNAL_SUM` (fast path), `COLUMN_SUMS` (materializing path), None
+    for integral "none" (besides the sums, layer 0 keeps `QUERY_COUNT`)."""
+    if integral == "none":
+        return None
+    return COLUMN_SUMS if materializing else SIGNAL_SUM
+
+
+def check_dint_cache(cache, config, materializing: bool) -> None:
+    """Fails early, with the fix, when a cache cannot carry the integral statistics of a model with `config`: it has
+    none (e.g. a bare `DynamicCache()`), fewer DINT layers than the model, or was filled by a model with another
+    integral mode or path. Nothing in the cache changes then; otherwise each layer records which statistics it keeps.
+
+    The whole check runs when a cache is new to the model (or found wrong); after that, one look at layer 0's record
+    (O(1) per forward). For transformers' caches; DINT's own holders (`integral_dint.DintIntegralState`) carry every
+    layer's state themselves and are not checked here.
+    """
+    kind = (config.integral, integral_state_index(config.integral, materializing))
+    layers = getattr(cache, "layers", None)
+    if layers and len(layers) >= config.num_hidden_layers and getattr(layers[0], "integral_kind", None) == kind:
+        return  # checked when this model first used it
+    build_dint_cache_layers(cache, DintDynamicLayer, DintStaticLayer)  # transformers < 5.14
+    if layers is None or not all(isinstance(layer, DintIntegralStateMixin) for layer in layers):
+        raise ValueError(
+            f"DINT needs its integral statistics in the cache, and this {type(cache).__name__} has none "
+            f"(layers: {[type(layer).__name__ for layer in (layers or [])][:3]}...). Build it from the model config: "
+            "`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or let "
+            "the model / generate() create it."
+        )
+    if not layers:  # `DynamicCache()`: its layers would be added, as plain K/V layers, by the first update
+        raise ValueError(
+            f"This {type(cache).__name__} was built without a config, so it has no layer to carry DINT's integral "
+            "statistics in. Build it from the model config: `DynamicCache(config=model.config)`, or let the model / "
+            "generate() create it."
+        )
+    if len(layers) < config.num_hidden_layers:
+        raise ValueError(
+            f"This cache has {len(layers)} DINT layers and the model {config.num_hidden_layers}: it was built for "
+            "another model. Build it from this model's config: `DynamicCache(config=model.config)`."
+        )
+    layers = layers[: config.num_hidden_layers]
+    for layer in layers:  # every layer first, so that a refusal leaves the cache as it was
+        layer.check_integral_kind(*kind)
+    for layer in layers:
+        if layer.integral_kind is None:
+            layer.integral_kind = kind
+
+
 def integral_state_buffers(cache, config) -> dict[str, torch.Tensor]:
     """Allocates the integral states of a static cache whose keys and values are allocated
     (`Cache.early_initialization`), as zeros (an empty document), and returns them by name
@@ -306,5 +360,7 @@ __all__ = [
     "SIGNAL_SUM",
     "COLUMN_SUMS",
     "INTEGRAL_STATE_NAMES",
+    "check_dint_cache",
     "integral_state_buffers",
+    "integral_state_index",
 ]

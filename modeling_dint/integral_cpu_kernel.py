@@ -32,6 +32,7 @@ later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is repor
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
 
+import functools
 import hashlib
 import os
 import platform
@@ -39,6 +40,7 @@ import threading
 import time
 
 import torch
+from torch import nn
 from transformers.utils import logging
 
 
@@ -466,3 +468,98 @@ def _compile():
         )
         return None
     return getattr(torch.ops, NAMESPACE).integral_forward
+
+# --- The eager ops' running sum on CPU with a gradient (training), where the op above does not run --------------------
+
+SCAN_BLOCK_ROWS = 16
+"""Query rows per block of `blocked_running_sum`: its matrix multiply does SCAN_BLOCK_ROWS multiply-adds per value
+(the fastest of 16, 32 and 64 measured: docs/performance.md)."""
+
+
+def blocked_scan_is_exact() -> bool:
+    """Whether `blocked_running_sum` gives the running sum exactly: where fp32 matrix multiplies on CPU are fp32 (a
+    user may have let oneDNN run them in bf16 or tf32: `torch.backends.mkldnn.matmul.fp32_precision`,
+    `torch.set_float32_matmul_precision`). The integral's plan asks once per forward."""
+    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    precision = getattr(mkldnn_matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision in ("none", "ieee")
+    return torch.get_float32_matmul_precision() == "highest"
+
+
+@functools.lru_cache(maxsize=8)
+def _lower_triangle(size: int, device: torch.device) -> torch.Tensor:
+    """`[size, size]` fp32, ones on and below the diagonal (a block's running sum as a matrix multiply). Built as a
+    normal tensor even under `torch.inference_mode()`, so that a later training step may save it for backward."""
+    with torch.inference_mode(False):
+        return torch.ones(size, size, device=device).tril_()
+
+
+def blocked_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
+    """The running sum of the eager ops on CPU where autograd records the call (training; the op above has no
+    backward): `integral_dint.segmented_running_sum`'s scan as matrix multiplies over blocks of `SCAN_BLOCK_ROWS`
+    rows (`_blocked_running_sum_fp32`), since torch's CPU cumsum does not vectorize the scan over a dimension other
+    than the last. Same arguments and result as that scan: `rows` `[B, T, ...]`, padding rows zeroed, `restart_row`
+    `[B, T]` or None; fp32."""
+    if torch.is_autocast_enabled(rows.device.type):  # the sums stay fp32 under a caller's autocast (a Trainer's bf16)
+        with torch.autocast(rows.device.type, enabled=False):
+            return _blocked_running_sum_fp32(rows, restart_row)
+    return _blocked_running_sum_fp32(rows, restart_row)
+
+
+def _blocked_running_sum_fp32(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
+    """Inclusive running sum of `rows` `[B, T, ...]` over dimension 1, restarting at each row's `restart_row`, in fp32,
+    as matrix multiplies: within each block of `SCAN_BLOCK_ROWS` rows a lower-triangular matrix (masked where a document
+    restarts inside the block) sums the block's rows; the sum at each block's last row, over the blocks before, is the
+    same running sum one level up (T / SCAN_BLOCK_ROWS rows); a row adds the sum at the previous block's last row where
+    its document started before its block.
+
+    Args:
+        rows (`torch.Tensor` of shape `[B, T, ...]`): the rows, padding rows already zeroed.
+        restart_row (`torch.Tensor` of shape `[B, T]`, long, *optional*): the row where row n's document starts
+            (`DintIntegralLayout.restart_row`); None: every row continues row 0's document.
+
+    Returns:
+        `torch.Tensor` of `rows`' shape, fp32.
+    """
+    batch_size, query_length = rows.shape[:2]
+    block = min(SCAN_BLOCK_ROWS, query_length)
+    num_blocks = -(-query_length // block)
+    padded_length = num_blocks * block
+    flat_rows = rows.reshape(batch_size, query_length, -1)
+    if padded_length != query_length:
+        # One pass for the padding to whole blocks (zero rows at the end) and the cast to fp32.
+        padded_rows = flat_rows.new_empty(batch_size, padded_length, flat_rows.shape[-1], dtype=torch.float32)
+        padded_rows[:, :query_length] = flat_rows
+        padded_rows[:, query_length:] = 0.0
+        flat_rows = padded_rows
+    else:
+        flat_rows = flat_rows.float()
+    blocks = flat_rows.view(batch_size, num_blocks, block, -1)
+    lower_triangle = _lower_triangle(block, rows.device)
+    if restart_row is None:
+        within_blocks = torch.matmul(lower_triangle, blocks)  # [B, num_blocks, block, C]
+    else:
+        if padded_length != query_length:  # padding rows continue the last row's document
+            restart_row = torch.cat([restart_row, restart_row[:, -1:].expand(-1, padded_length - query_length)], 1)
+        row_index = torch.arange(padded_length, device=rows.device)
+        # Row i of a block sums the block's rows j <= i that are in its document (j >= restart_row[i]).
+        in_document = row_index.view(num_blocks, 1, block) >= restart_row.view(batch_size, num_blocks, block, 1)
+        within_blocks = torch.matmul(lower_triangle * in_document, blocks)
+    if num_blocks == 1:
+        running = within_blocks
+    else:
+        block_ends = within_blocks[:, :, -1]  # [B, num_blocks, C]: each block's last row, summed inside its block
+        block_restart = None if restart_row is None else restart_row[:, block - 1 :: block] // block
+        previous_ends = nn.functional.pad(_blocked_running_sum_fp32(block_ends, block_restart)[:, :-1], (0, 0, 1, 0))
+        previous_ends = previous_ends.unsqueeze(2)  # [B, num_blocks, 1, C]: at the previous block's last row, 0 for block 0
+        if restart_row is None:
+            running = within_blocks + previous_ends
+        else:
+            block_first_row = row_index - row_index % block
+            continues = (restart_row < block_first_row).view(batch_size, num_blocks, block, 1)
+            running = torch.addcmul(within_blocks, continues.to(torch.float32), previous_ends)
+    running = running.view(batch_size, padded_length, -1)
+    if padded_length != query_length:
+        running = running[:, :query_length]
+    return running.view(rows.shape)

@@ -670,3 +670,16 @@ def triton_integral(signal, noise, lambda_, inverse_count, row_flags, carry, wei
         store_running,
     )
     return output, last_sum, running if store_running else None
+
+
+def rows_last_running_sum(rows: torch.Tensor, restart_row: torch.Tensor | None) -> torch.Tensor:
+    """The running sum of the eager ops on CUDA, for the calls the kernels do not take (eval mode, short calls, no
+    gradient): `integral_dint.segmented_running_sum`'s scan over an fp32 copy with the rows last, since CUDA's cumsum
+    over a dimension other than the last runs a step at a time per column. Same arguments and result as that scan:
+    `rows` `[B, T, ...]`, padding rows zeroed, `restart_row` `[B, T]` or None; fp32."""
+    rows_last = rows.movedim(1, -1).to(torch.float32, memory_format=torch.contiguous_format)
+    running = rows_last.cumsum(-1).movedim(-1, 1)
+    if restart_row is None:
+        return running
+    restart_index = restart_row.view(*restart_row.shape, *[1] * (rows.dim() - 2)).expand(rows.shape)
+    return running - (running - rows).gather(1, restart_index)

@@ -46,11 +46,10 @@ from transformers.utils.output_capturing import capture_outputs
 
 # The cache layers and the kernels, imported here although the integral uses them: transformers 5.5 copies only the
 # direct relative imports of the modeling file into a remote-code module (and the layers must register at load).
-from .cache_dint import DintDynamicLayer, DintStaticLayer  # noqa: F401
+from .cache_dint import DintDynamicLayer, DintStaticLayer, check_dint_cache  # noqa: F401
 from .integral_cpu_kernel import integral_kernel  # noqa: F401
-from .integral_triton_kernel import triton_integral  # noqa: F401
 from .configuration_dint import DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
-from .integral_dint import DintIntegral, DintIntegralLayout, check_dint_cache, forward_integral_layout
+from .integral_dint import DintIntegral, DintIntegralLayout, DintIntegralState, forward_integral_layout
 from .masking_dint import DINT_QUERY_VALID_KEY, check_padding_mask_length, create_dint_masks, default_position_ids
 
 
@@ -179,9 +178,7 @@ class DintAttention(nn.Module):
         if path == MATERIALIZING:
             attn_weights = self.softmax_maps(query_states, key_states, attention_mask)
             signal_weights, noise_weights, head_values = self.differential_maps(attn_weights, value_states)
-            final_weights = self.integral.maps(
-                signal_weights, noise_weights, lambda_, integral_layout, attention_mask, cache
-            )
+            final_weights = self.integral.maps(signal_weights, noise_weights, lambda_, integral_layout, attention_mask)
             attn_output = torch.matmul(final_weights, head_values.float()).transpose(1, 2)  # [B, T, H/2, C], fp32
             # The combination is fp32 where the integral enters: the head norm runs on it, then the model's dtype.
             attn_output = self.head_norm(attn_output).to(value_states.dtype)
@@ -192,7 +189,7 @@ class DintAttention(nn.Module):
                 **kwargs,
             )
             # The same there: the combination in fp32, normalized, back in the model's dtype (one pass on CPU).
-            attn_output = self.integral(signal_output, noise_output, lambda_, integral_layout, cache, self.head_norm)
+            attn_output = self.integral(signal_output, noise_output, lambda_, integral_layout, self.head_norm)
             attn_weights = None
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -428,21 +425,17 @@ class DintModel(DintPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
         path = attention_path(config._attn_implementation, config.integral, config.one_pass_attention)  # once
-        materializing = path == MATERIALIZING
-        if cache is not None:
-            check_dint_cache(cache, config, materializing)
-
+        if cache is not None and not isinstance(cache, DintIntegralState):
+            check_dint_cache(cache, config, path == MATERIALIZING)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             check_padding_mask_length(attention_mask, inputs_embeds.shape[1], cache)
         given_position_ids = position_ids  # the integral's documents restart at the caller's position ids only
         position_ids = default_position_ids(inputs_embeds, cache) if position_ids is None else position_ids
-
-        masks = create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids, materializing)
-        if integral_layout is None and config.integral != "none":
-            integral_layout = forward_integral_layout(
-                masks[DINT_QUERY_VALID_KEY], given_position_ids, cache, *inputs_embeds.shape[:2], inputs_embeds.device,
-                kwargs.get("cu_seq_lens_q"),
-            )
+        masks = create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids, path == MATERIALIZING)
+        integral_layout = forward_integral_layout(
+            config, cache, masks[DINT_QUERY_VALID_KEY], given_position_ids, inputs_embeds, self.training,
+            kwargs.get("cu_seq_lens_q"), integral_layout,
+        )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)

@@ -17,9 +17,8 @@ How it is enabled: `DintForCausalLM.init_continuous_batching` (transformers' ent
 calls `init_continuous_batching` here, which refuses what cannot run (another transformers release, integral
 "softmax": `DintConfig.check_paged_serving`), registers DINT's cache allocator for the `dint_attention` layers, and returns a continuous-batching
 manager whose paged cache is `DintPagedAttentionCache`. Each step, a forward pre-hook of the model turns that cache
-into a `DintPagedStep`: a cache object with the recurrent-state methods of transformers' caches
-(`get_recurrent_state`, `update_recurrent_state`), which the model uses as it uses any cache, and the step's
-`DintIntegralLayout.for_packed_requests`. Nothing happens at import.
+into a `DintPagedStep`: a cache object that writes K/V into the paged cache and holds the integral's state
+(`integral_dint.DintIntegralState`), and the step's `DintIntegralLayout.for_packed_requests`. Nothing happens at import.
 
 Every transformers internal this depends on is used in this module only (listed in `TRANSFORMERS_INTERNALS`), read in
 transformers 5.24; `tests/test_serving.py` checks each of them and fails loudly when one changes.
@@ -34,7 +33,7 @@ from transformers.generation.continuous_batching.cache_allocators import FULL_AT
 
 from .cache_dint import QUERY_COUNT, SIGNAL_SUM
 from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import DintIntegralLayout, packed_request_rows
+from .integral_dint import DintIntegralLayout, DintIntegralState, packed_request_rows
 from .transformers_compat import CACHE_ARGUMENT, installed_release
 
 
@@ -132,14 +131,15 @@ class DintPagedAttentionCache(PagedAttentionCache):
         self.dint_allocator = dint_allocators[0]
 
 
-class DintPagedStep:
+class DintPagedStep(DintIntegralState):
     """The cache a DINT model sees in one continuous-batching step: K/V written once into the paged cache
-    (`update`), and each request's integral state read and stored per block through the recurrent-state methods of
-    transformers' caches (`get_recurrent_state`, `update_recurrent_state`). Its `layout` is the step's
-    `DintIntegralLayout.for_packed_requests`. Built by the model's forward pre-hook from the step's arguments."""
+    (`update`), and each request's integral state read and stored per block, the integral's state holder
+    (`DintIntegralState`). Its `layout` is the step's `DintIntegralLayout.for_packed_requests`. Built by the model's
+    forward pre-hook from the step's arguments."""
 
     is_compileable = False
-    is_dint_cache = True  # `check_dint_cache`: it carries the integral state of every DINT layer
+    records_rows = True  # a request stores its sum after each block it completes, not only after its last row
+    keeps_state_table = True
 
     def __init__(self, paged_cache: DintPagedAttentionCache, position_ids: torch.Tensor, kwargs: dict):
         self.paged_cache = paged_cache
@@ -171,7 +171,7 @@ class DintPagedStep:
             cu_seq_lens_k = kwargs["cu_seq_lens_k"][allocator.layer_type].long()
             previous_token = (cu_seq_lens_k[:-1] + positions[request_start] - 1).clamp(min=0, max=read_index.numel() - 1)
             self.carry_blocks = (read_index[previous_token] // allocator.block_physical_stride)[row_request]
-        self.kernel_blocks = None  # `integral_state_table`'s per-row blocks, built by the first layer that asks
+        self.kernel_blocks = None  # `state_table`'s per-row blocks, built by the first layer that asks
 
     def model_kwargs(self, kwargs: dict) -> dict:
         """The model's keyword arguments for this step: this object as the cache, the step's layout, and the
@@ -193,18 +193,18 @@ class DintPagedStep:
         `[1, kv_heads, past + new (all requests), head_dim]`."""
         return self.paged_cache.update(key_states, value_states, layer_idx, kwargs=dict(self.cache_kwargs))
 
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+    def carried(self, layer_idx: int, state_idx: int) -> torch.Tensor | None:
         """`SIGNAL_SUM`: the sum each row's request carries from its earlier steps, per query row `[1, T, H/2, 2d]`
         (`layout.carry_per_row`); None where no request of the step has a past. The count is the layout's."""
         if state_idx != SIGNAL_SUM or self.carry_blocks is None:
             return None
         return self.allocator.integral_sums[self.carry_blocks, self.allocator.layer_slot[layer_idx]][None]
 
-    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the CPU kernel, which reads and stores the sums in place: the layer's sums per block `[blocks, H/2, C]`
         (fp32, a view of `integral_sums`), and per row `[1, T]` (int64, -1 for none) the block whose sum the row
         starts from (a continuing request's first row: its previous token's block) and the block it stores its sum
-        in (each request's last row, each row that completes a block: as `update_recurrent_state`). No row stores
+        in (each request's last row, each row that completes a block: as `store`). No row stores
         into a block that a later request of the step reads (a request reads its own previous block; shared blocks
         are complete), so reading in place gives what the eager path's gather before its scatter gives."""
         if self.kernel_blocks is None:
@@ -218,14 +218,13 @@ class DintPagedStep:
         table = self.allocator.integral_sums[:, self.allocator.layer_slot[layer_idx]]
         return (table, *self.kernel_blocks)
 
-    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
+    def store(self, state, layer_idx, state_idx, running_rows=None) -> None:
         """Stores the running sum after each request's last row and after each block it completes (from
         `running_rows`, `[1, T, H/2, 2d]`). The count of a request is its position + 1: nothing to store."""
         if state_idx == QUERY_COUNT:
-            return recurrent_states
+            return
         sums = self.allocator.integral_sums
         sums[self.store_blocks, self.allocator.layer_slot[layer_idx]] = running_rows[0].to(sums.dtype)
-        return recurrent_states
 
 
 def _enter_paged_step(model, args: tuple, kwargs: dict):

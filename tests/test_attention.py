@@ -9,18 +9,15 @@ from dint_testing import LAYOUTS, V2, diffllama_config_like, left_padded_batch, 
 from transformers import DiffLlamaForCausalLM
 
 from modeling_dint import DintForCausalLM, dint_attention_map
+from modeling_dint.integral_cpu_kernel import SCAN_BLOCK_ROWS, _lower_triangle, blocked_running_sum, blocked_scan_is_exact
 from modeling_dint.integral_dint import (
-    SCAN_BLOCK_ROWS,
     DintIntegralLayout,
-    _blocked_running_sum,
-    _cumsum_in_place,
-    _cumsum_rows_last,
-    _lower_triangle,
-    _scans_in_blocks,
     document_starts,
+    plan_integral,
     segmented_running_sum,
     valid_query_rows,
 )
+from modeling_dint.integral_triton_kernel import rows_last_running_sum
 from modeling_dint.modeling_dint import DintAttention, DintHeadRMSNorm, DintRotaryEmbedding
 
 
@@ -310,21 +307,21 @@ def test_segmented_running_sum_matches_a_loop(query_dim, length, padding, docume
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("documents", [False, True])
 def test_blocked_running_sum_matches_the_cumulative_sum_and_its_gradient(dtype, documents):
-    """The CPU fast path's running sum in blocks of matrix multiplies (`_blocked_running_sum`, which
-    `segmented_running_sum` takes on CPUs) gives the scan's fp32 sums and gradients, documents restarting included:
-    training runs it too. With fp32 matrix multiplies allowed to run in bf16 it is not taken."""
+    """The CPU eager ops' running sum in blocks of matrix multiplies (`blocked_running_sum`, which the plan takes on
+    CPUs) gives the scan's fp32 sums and gradients, documents restarting included: training runs it too. With fp32
+    matrix multiplies allowed to run in bf16 it is not taken."""
     generator = torch.Generator().manual_seed(7)
     batch_size, length = 3, 20 * SCAN_BLOCK_ROWS + 5
     rows = torch.randn(batch_size, length, 2, 5, generator=generator).to(dtype).requires_grad_()
     weights = torch.randn(batch_size, length, 2, 5, generator=generator)
     restart_row = None
-    expected = _cumsum_in_place(rows, 1)
+    expected = rows.float().cumsum(1)
     if documents:
         document_start = torch.rand(batch_size, length, generator=generator) > 0.97
         layout = DintIntegralLayout.build(None, document_start, None, batch_size, length, rows.device)
         restart_row = layout.restart_row
         expected = expected - (expected - rows).gather(1, restart_row[:, :, None, None].expand(rows.shape))
-    actual = _blocked_running_sum(rows, restart_row)
+    actual = blocked_running_sum(rows, restart_row)
     assert actual.dtype == torch.float32 and actual.shape == rows.shape
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-5)
     (actual_gradient,) = torch.autograd.grad((actual * weights).sum(), rows)
@@ -332,11 +329,15 @@ def test_blocked_running_sum_matches_the_cumulative_sum_and_its_gradient(dtype, 
     tolerances = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {}  # bf16 gradients: bf16's defaults
     torch.testing.assert_close(actual_gradient, expected_gradient, **tolerances)
 
-    assert _scans_in_blocks(rows, 1) and not _scans_in_blocks(rows[:, :1], 1)
+    def planned_scan():  # a training forward's plan on CPU: the eager ops, with the blocked scan where it is exact
+        layout = DintIntegralLayout.build(None, None, None, 1, 20, rows.device)
+        return plan_integral(layout, None, rows.device, torch.float32, 20 * 16, True, False).running_sum
+
+    assert blocked_scan_is_exact() and planned_scan() is blocked_running_sum
     precision = torch.backends.mkldnn.matmul.fp32_precision
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     try:
-        assert not _scans_in_blocks(rows, 1)
+        assert not blocked_scan_is_exact() and planned_scan() is None
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = precision
 
@@ -350,7 +351,7 @@ def test_running_sums_stay_fp32_under_cpu_autocast():
 
     def sums():
         layout = DintIntegralLayout.build(None, document_start, None, 2, 300, rows.device)
-        return layout.running_query_count, segmented_running_sum(rows, layout)
+        return layout.running_query_count, segmented_running_sum(rows, layout, running_sum=blocked_running_sum)
 
     expected = sums()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -388,20 +389,27 @@ def test_bf16_stays_within_its_bound_of_fp32():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scan_layouts_agree(dtype):
-    """The scan with the query rows last (what CUDA runs) and in place (CPU) give the same sums and gradients, so the
-    CPU suite covers the GPU layout too."""
-    for query_dim, shape in ((1, (2, 33, 3, 8)), (2, (2, 3, 33, 8))):
-        rows = torch.randn(shape).to(dtype).requires_grad_()
-        weights = torch.randn(shape)
-        results = []
-        for cumsum in (_cumsum_in_place, _cumsum_rows_last):
-            totals = cumsum(rows, query_dim)
-            (gradient,) = torch.autograd.grad((totals * weights).sum(), rows)
-            assert totals.dtype == torch.float32 and totals.shape == rows.shape
-            results.append((totals, gradient))
-        torch.testing.assert_close(results[0][0], results[1][0])
-        torch.testing.assert_close(results[0][1], results[1][1])
+@pytest.mark.parametrize("documents", [False, True])
+def test_tuned_scans_agree_with_the_reference(dtype, documents):
+    """The scans tuned per device (the rows last, what CUDA's eager ops run; blocks of matrix multiplies, CPU's) give
+    the reference's sums and gradients, padding, documents and a carry included, so the CPU suite covers both."""
+    generator = torch.Generator().manual_seed(3)
+    batch_size, length = 2, 3 * SCAN_BLOCK_ROWS + 1
+    query_valid = torch.rand(batch_size, length, generator=generator) > 0.2
+    document_start = torch.rand(batch_size, length, generator=generator) > 0.8 if documents else None
+    layout = DintIntegralLayout.build(query_valid, document_start, torch.tensor([2.0, 0.0]), batch_size, length, "cpu")
+    carry = torch.randn(batch_size, 3, 8, generator=generator)
+    rows = torch.randn(batch_size, length, 3, 8, generator=generator).to(dtype).requires_grad_()
+    weights = torch.randn(rows.shape, generator=generator)
+    results = []
+    for running_sum in (None, rows_last_running_sum, blocked_running_sum):
+        totals = segmented_running_sum(rows, layout, carry, running_sum)
+        (gradient,) = torch.autograd.grad((totals * weights).sum(), rows)
+        assert totals.dtype == torch.float32 and totals.shape == rows.shape
+        results.append((totals, gradient))
+    for totals, gradient in results[1:]:
+        torch.testing.assert_close(totals, results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gradient, results[0][1], **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}))
 
 
 def test_head_norm_runs_in_its_input_dtype():

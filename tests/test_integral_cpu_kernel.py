@@ -14,7 +14,13 @@ from transformers import DynamicCache
 import modeling_dint.integral_cpu_kernel as kernel_module
 from dint_testing import LAYOUTS, cache_of, tiny_model, with_cache
 from modeling_dint.cache_dint import SIGNAL_SUM
-from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout, carried_state, document_starts
+from modeling_dint.integral_dint import (
+    CacheIntegralState,
+    DintIntegral,
+    DintIntegralLayout,
+    document_starts,
+    packed_requests_kernel,
+)
 
 
 HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not None
@@ -107,16 +113,18 @@ def test_kernel_matches_the_eager_integral(dtype, per_row_lambda, head_norm, row
     cache.update_recurrent_state(torch.randn(batch_size, heads, channels, generator=generator), 0, state_idx=SIGNAL_SUM)
     integral = DintIntegral("mean", layer_idx=0)
 
-    with torch.no_grad():
+    with torch.no_grad():  # each call plans its own copy of the layout (the first call of a forward would)
         with eager_integral:
             eager_cache = copy.deepcopy(cache)
-            expected = integral(signal_output, noise_output, lambda_, layout, eager_cache, norm)
+            expected = integral(
+                signal_output, noise_output, lambda_, copy.copy(layout), norm, CacheIntegralState(eager_cache)
+            )
         calls = kernel_calls(monkeypatch)
-        actual = integral(signal_output, noise_output, lambda_, layout, cache, norm)
+        actual = integral(signal_output, noise_output, lambda_, copy.copy(layout), norm, CacheIntegralState(cache))
 
     assert len(calls) == 1
     assert actual.dtype == dtype and actual.shape == expected.shape and actual.is_contiguous()
-    state, eager_state = carried_state(cache, 0, SIGNAL_SUM), carried_state(eager_cache, 0, SIGNAL_SUM)
+    state, eager_state = cache.layers[0].signal_sum, eager_cache.layers[0].signal_sum
     torch.testing.assert_close(state, eager_state, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(state).all()
     valid = slice(None) if query_valid is None else query_valid  # padding rows combine their own (NaN) outputs
@@ -263,7 +271,7 @@ def assert_same_generations(actual: list, expected: list, dtype: torch.dtype) ->
 def test_continuous_batching_reads_and_stores_each_requests_state_in_place(layout, dtype, eager_integral, monkeypatch):
     """Packed requests (transformers' continuous batching): prompts prefilled in chunks, requests waiting then joining
     while others decode. The kernel reads each continuing request's sum from its previous block and stores into its
-    blocks in place (`DintPagedStep.integral_state_table`): the eager integral's tokens (fp32) and log-probabilities."""
+    blocks in place (`DintPagedStep.state_table`): the eager integral's tokens (fp32) and log-probabilities."""
     serving_tests = pytest.importorskip("test_serving")  # skipped below transformers 5.24, as continuous batching
     model = serving_tests.serving_model("mean", dtype=dtype, **layout)
     prompts = serving_tests.random_prompts()
@@ -332,8 +340,6 @@ def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
     """vLLM's op calls the kernel with `[T, heads, C]` rows, per-row arguments `[T]`, lambda a scalar (v1) or
     `[T, heads, 1]` (v2), and its own output buffer: the same output and state table, bit for bit (the same code on the
     same machine), as the batched call `[1, T, heads, C]` with a new output."""
-    from modeling_dint.integral_dint import DintIntegral
-
     torch.manual_seed(0)
     rows, heads, channels, slots = 7, 3, 16, 5
     signal, noise = torch.randn(rows, heads, channels, dtype=dtype), torch.randn(rows, heads, channels, dtype=dtype)
@@ -344,18 +350,17 @@ def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
     head_norm = torch.nn.RMSNorm(channels, eps=1e-6)
     with torch.no_grad():
         head_norm.weight.uniform_(0.5, 1.5)
-    integral = DintIntegral("mean", layer_idx=0)
     for lambda_ in (torch.tensor(0.4), torch.rand(rows, heads, 1)):
         table = torch.randn(slots, heads, channels)
         initial_table, expected_table = table.clone(), table.clone()
         batched_lambda = lambda_ if lambda_.dim() == 0 else lambda_[None]
         with torch.no_grad():
-            expected = integral.packed_requests_kernel(
+            expected = packed_requests_kernel(
                 signal[None], noise[None], batched_lambda, inverse_count[None], row_flags[None], expected_table,
                 carry_slot[None], store_slot[None], head_norm,
             )[0]
             output = torch.full_like(signal, float("nan"))
-            returned = integral.packed_requests_kernel(
+            returned = packed_requests_kernel(
                 signal, noise, lambda_, inverse_count, row_flags, table, carry_slot, store_slot, head_norm, output
             )
         assert returned is output
@@ -364,9 +369,9 @@ def test_packed_requests_without_a_batch_dimension_write_in_place(dtype):
         assert torch.equal(table[[0, 1]], initial_table[[0, 1]])  # the slots no row stores in
         assert all(not torch.equal(table[slot], initial_table[slot]) for slot in (2, 3, 4))
         with torch.no_grad():  # without `out`: a new output of O1's shape
-            assert integral.packed_requests_kernel(
+            assert packed_requests_kernel(
                 signal, noise, lambda_, inverse_count, row_flags, table.clone(), carry_slot, store_slot, head_norm
             ).shape == signal.shape
     with pytest.raises(RuntimeError, match="lambda: a scalar, or one per row and head"):
-        integral.packed_requests_kernel(signal, noise, torch.rand(heads, 1), inverse_count, row_flags, table,
+        packed_requests_kernel(signal, noise, torch.rand(heads, 1), inverse_count, row_flags, table,
                                         carry_slot, store_slot, head_norm)

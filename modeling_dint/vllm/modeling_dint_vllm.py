@@ -70,7 +70,14 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from ..configuration_dint import DintConfig
 from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
-from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
+from ..integral_dint import (
+    DintIntegral,
+    DintIntegralLayout,
+    DintIntegralState,
+    packed_request_rows,
+    packed_requests_kernel,
+    takes_cpu_kernel,
+)
 from ..modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
 
 
@@ -328,31 +335,33 @@ def vllm_step_rows(attn_metadata, positions: torch.Tensor, block_size: int) -> V
     return step_rows
 
 
-class VllmIntegralStep:
-    """The cache `DintIntegral` sees in one vLLM step (or wave), for one layer: the recurrent-state methods of
-    transformers' caches over the layer's per-block states (`DintPagedAttention.integral_state_table`): each row reads
-    the state of the block its request continues from, and the rows of `step_rows.store_rows` store theirs; for the
-    CPU kernel, the table with the rows where each request reads and stores (`integral_state_table`)."""
+class VllmIntegralStep(DintIntegralState):
+    """The integral's state holder (`DintIntegralState`) in one vLLM step (or wave), for one layer, over the layer's
+    per-block states (`DintPagedAttention.integral_state_table`): each row reads the state of the block its request
+    continues from, and the rows of `step_rows.store_rows` store theirs; for the CPU kernel, the table with the rows
+    where each request reads and stores (`state_table`)."""
+
+    records_rows = True  # the storing rows are not only each request's last
+    keeps_state_table = True
 
     def __init__(self, state_table: torch.Tensor, step_rows: VllmStepRows):
-        self.state_table, self.step_rows = state_table, step_rows
+        self.table, self.step_rows = state_table, step_rows
 
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+    def carried(self, layer_idx: int, state_idx: int) -> torch.Tensor:
         """`[1, T, H/2 / tp, C]`: the state each row's request carries from its earlier steps."""
-        return self.state_table[self.step_rows.carry_blocks][None]
+        return self.table[self.step_rows.carry_blocks][None]
 
-    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, running_rows=None, **kwargs):
+    def store(self, state, layer_idx, state_idx, running_rows=None) -> None:
         """Stores the running sum (`running_rows` `[1, T, H/2 / tp, C]`) of each storing row in its block's tail."""
-        self.state_table[self.step_rows.store_blocks] = running_rows[0, self.step_rows.store_rows]
-        return recurrent_states
+        self.table[self.step_rows.store_blocks] = running_rows[0, self.step_rows.store_rows]
 
-    def integral_state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def state_table(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's states `[blocks, H/2 / tp, C]` (fp32), and per row `[1, T]` (int64, -1 for none) the block it
         reads before it (a continuing request's first row) and the block it stores after it. No row stores into a block
         that another request of the step (or wave) reads (a request reads its own block, or a complete one that no row
         of the step writes: `VllmStepRows.waves`), so reading in place gives what the eager path's gather before its
         scatter gives."""
-        return (self.state_table, *self.step_rows.kernel_slots())
+        return (self.table, *self.step_rows.kernel_slots())
 
 
 def vllm_integral_step(layer: "DintIntegralState", step_rows: VllmStepRows) -> VllmIntegralStep:
@@ -379,7 +388,7 @@ def integral_output(
         num_tokens = signal_output.shape[0]
         layout = DintIntegralLayout.for_packed_requests(positions, positions.new_tensor([0, num_tokens]))
         lambda_ = lambda_[None] if lambda_.dim() > 0 else lambda_  # v2: [1, T, H/2, 1]
-        output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, None, layer.head_norm)[0]
+        output[:] = layer.integral(signal_output[None], noise_output[None], lambda_, layout, layer.head_norm)[0]
         return
     num_tokens = attn_metadata.num_actual_tokens
     if num_tokens < output.shape[0]:  # rows vLLM pads the batch with
@@ -391,8 +400,8 @@ def integral_output(
     if step is not None and step_rows.kernel_rows is not None and layer.takes_kernel(signal_output, noise_output, lambda_, step):
         # On CPU: one kernel call with the rows the step prepared for every layer
         inverse_count, row_flags, carry_slot, store_slot = step_rows.kernel_rows
-        layer.integral.packed_requests_kernel(
-            signal_output, noise_output, lambda_, inverse_count, row_flags, step.state_table, carry_slot, store_slot,
+        packed_requests_kernel(
+            signal_output, noise_output, lambda_, inverse_count, row_flags, step.table, carry_slot, store_slot,
             layer.head_norm, output,
         )
         return
@@ -418,8 +427,8 @@ def step_integral(
         if part_lambda.dim() > 0:
             part_lambda = part_lambda.unsqueeze(0)
         combined = layer.integral(
-            part_signal.unsqueeze(0), part_noise.unsqueeze(0), part_lambda, part.layout, vllm_integral_step(layer, part),
-            layer.head_norm,
+            part_signal.unsqueeze(0), part_noise.unsqueeze(0), part_lambda, part.layout, layer.head_norm,
+            vllm_integral_step(layer, part),
         )
         if rows is None:
             output.copy_(combined[0])
@@ -554,7 +563,7 @@ class DintIntegralState(nn.Module):
         kernel = integral_kernel()
         head_norm = self.head_norm
         if self._kernel_decision[0] is not kernel or kernel is None or head_norm._forward_hooks or head_norm._forward_pre_hooks:
-            takes = self.integral.takes_cpu_kernel(
+            takes = takes_cpu_kernel(
                 signal_output[None], noise_output[None], lambda_ if lambda_.dim() == 0 else lambda_[None],
                 step.step_rows.layout, step, self.head_norm,
             )
