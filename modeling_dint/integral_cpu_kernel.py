@@ -15,13 +15,14 @@ stores any; the kernel reads in place, which gives the same result because no ro
 later request of the same step reads (a request reads its own earlier block or slot; transformers' paged cache and
 vLLM both guarantee it: shared blocks are complete, and only the requests' own current blocks are written; vLLM's
 same-step prefix hits run in waves). A second op, `packed_step_rows`, builds a vLLM step's rows (where each request
-restarts, counts, reads and stores) from vLLM's metadata in one call, once per step for every layer. Its time against the eager ops and DiffLlama's tail:
-`bench/micro_integral.py`, `bench/results/micro_integral_cpu.md`.
+restarts, counts, reads and stores) from vLLM's metadata in one call, once per step for every layer. Its time against
+the eager ops and DiffLlama's tail: docs/performance.md.
 
-The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 when no gradient is needed, outside
-torch.compile and export, where the head norm has no hooks, and where nobody needs the running sum of every row (a
-cache recording its past for `crop`); a packed-request cache takes it where it has `integral_state_table`. Everywhere
-else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
+The op is an inference kernel: the integral's plan (`integral_dint.choose_implementation`) takes it on CPU for fp32
+and bf16 when no gradient is needed, outside torch.compile and export, where the head norm has no hooks, and where
+nobody needs the running sum of every row (a cache recording its past for `crop`); a packed-request holder takes it
+where it keeps a state table. A decoding step (one row) runs the eager ops in place, which cost the host less than
+the op's call. Everywhere else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
 Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is
 cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
 hashes the source, the torch release and the CPU (it is compiled with `-march=native`), so a shared home folder never

@@ -659,10 +659,9 @@ def normalized(combined: torch.Tensor, head_norm: nn.Module, dtype: torch.dtype)
 
 
 class DintIntegral:
-    """The integral term of one DINT layer, for every head layout and every caller: given the differential outputs (or
-    maps) and lambda, it runs the forward's plan (`DintIntegralLayout`): reads the carried sums, runs the running sum,
-    stores the new state and returns the combined output (or map). It holds no parameters (a plain object: no module
-    call overhead).
+    """The integral term of one DINT layer, for every head layout and caller: given the differential outputs (or maps)
+    and lambda, it runs the forward's plan (`DintIntegralLayout`) and returns the combined output (or map). A plain
+    object, no module: no call overhead.
 
     Args:
         integral (`str`): the model's `config.integral`.

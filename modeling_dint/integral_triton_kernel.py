@@ -1,5 +1,5 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
-"""The fast path's integral as Triton kernels, forward and backward: what CUDA runs (`DintIntegral.kernel_for`).
+"""The fast path's integral as Triton kernels, forward and backward: what CUDA runs (`integral_dint`'s plan).
 
 Per batch row b and differential head h, the integral's tail is a running sum over the query rows followed by a
 pointwise combination (`integral_dint.combine_with_integral`, then v1's head norm):
@@ -407,9 +407,7 @@ forward's tiles at once (the gradients beside the recomputed forward). Read off 
 (`python tests/test_integral_triton_compile.py 90`, bf16, Triton 3.6): at 16 elements per thread its variants took up
 to 255 registers (8 warps per SM by registers), at 8 they take up to 159 (16 x 128 tiles, 8 warps) and 128 (32 x 128
 tiles, 16 warps: twice the warps per SM), with small stack spills (at most 32 bytes) in some v1 head-norm variants
-either way. Timed on an H200 (bf16, 4096 rows of 16 heads x 128, forward and backward through `DintIntegral`,
-`bench/results/gpu_bf16_h200`, commit 16dfe23): at 8 against 16, v1 1219 against 1495 us, v2 1307 against 1272,
-packed documents of 64 rows 1328 against 1323 (v1) and 1329 against 1359 (v2): kept at 8."""
+either way; 8 timed no slower than 16 on a GPU (docs/performance.md, "The integral on a GPU")."""
 MAX_WARPS = {"forward": 8, "backward": 16}
 
 

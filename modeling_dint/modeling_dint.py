@@ -61,7 +61,7 @@ class DintHeadRMSNorm(nn.RMSNorm):
     """v1's RMSNorm of each differential head (its 2*head_dim channels): torch's fused `rms_norm`, in its input's dtype
     (the combination's, fp32) whatever the weight's; `elementwise_affine=False` drops the weight (the ablation)."""
 
-    fused_by_integral_kernels = True  # what the integral's kernels compute in its place (`integral_dint.fusable_call`)
+    fused_by_integral_kernels = True  # what the integral's kernels compute in its place (`integral_dint.kernel_takes`)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight

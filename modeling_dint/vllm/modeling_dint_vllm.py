@@ -556,7 +556,7 @@ class DintIntegralState(nn.Module):
         self.__dict__["head_norm"] = nn.Identity() if head_norm is None else head_norm
 
     def takes_kernel(self, signal_output, noise_output, lambda_, step: "VllmIntegralStep") -> bool:
-        """Whether the fused CPU kernel computes this layer's integral (`DintIntegral.takes_cpu_kernel`; arguments as
+        """Whether the fused CPU kernel computes this layer's integral (`integral_dint.takes_cpu_kernel`; arguments as
         `forward`'s, and the step's cache): decided on the first step and kept while the kernel is the same (what it
         depends on does not change between the steps of an engine: device, dtype, the head norm, no gradient; a hook on
         the head norm, which the kernel would not run, is looked for on every call)."""
