@@ -303,7 +303,8 @@ class DintIntegralLayout:
                 moved[field.name] = value.to(device, non_blocking=non_blocking)
         layout = replace(self, **moved)
         if self.implementation is not None and device.type != self.running_query_count.device.type:
-            _choose(layout, device, *self.plan_inputs)
+            implementation = choose_implementation(device, *self.plan_inputs, self.carry_per_row, self.state)
+            _choose(layout, device, implementation, compiling=self.plan_inputs[-1])
         return layout
 
 
@@ -509,21 +510,24 @@ def choose_implementation(
     return CPU_KERNEL if integral_kernel() is not None else EAGER
 
 
-def _choose(layout: DintIntegralLayout, device: torch.device, *plan_inputs) -> None:
-    """Sets the layout's implementation, scan and kernel rows for `device` (`plan_integral`, `DintIntegralLayout.to`)."""
-    requested, dtype, elements, gradient, training, compiling = layout.plan_inputs = plan_inputs
-    layout.implementation = choose_implementation(
-        device, requested, dtype, elements, gradient, training, compiling, layout.carry_per_row, layout.state
-    )
-    layout.running_sum = None
-    if layout.implementation == EAGER and not compiling:  # (a compiler traces the plain cumsum and fuses it)
+def _choose(layout: DintIntegralLayout, device: torch.device, implementation: str, compiling: bool) -> None:
+    """Sets the layout's implementation, the eager ops' scan for `device`, and the rows a kernel reads where one runs
+    the calls (`plan_integral`, `DintIntegralLayout.to`)."""
+    layout.implementation, layout.running_sum = implementation, None
+    if implementation == EAGER and not compiling:  # (a compiler traces the plain cumsum and fuses it)
         if device.type == "cpu" and blocked_scan_is_exact():
             layout.running_sum = blocked_running_sum
         elif device.type == "cuda":
             layout.running_sum = _triton_kernel_module().rows_last_running_sum
-    elif layout.implementation != EAGER and layout.kernel_row_flags is None:
+    if implementation != EAGER and not layout.decoding_step and layout.kernel_row_flags is None:
         layout.kernel_row_flags = layout.row_flags()
         layout.kernel_inverse_count = layout.inverse_query_count[:, :, 0, 0]
+
+
+def _writable_here(state: torch.Tensor | None) -> bool:
+    """Whether a decoding step may add to `state` in place: a state made under `torch.inference_mode()` (a pipeline's
+    prefill) cannot be written outside it."""
+    return state is not None and not (state.is_inference() and not torch.is_inference_mode_enabled())
 
 
 def plan_integral(
@@ -534,30 +538,37 @@ def plan_integral(
     elements: int,
     training: bool,
     carried_tokens: bool,
+    head_norm: bool = False,
 ) -> DintIntegralLayout:
     """The plan every layer's call of one forward runs (written into `layout`): the implementation
     (`choose_implementation`, from the device, the dtype, grad and training mode, compiling, `DINT_INTEGRAL_KERNEL` and
     the holder), and whether the call is a decoding step: one row per sequence continuing carried sums
-    (`carried_tokens`), without a gradient, in eager mode, where the holder keeps only the last state. What varies per
-    layer (a head norm's hooks) is checked at the call (`kernel_takes`), and a layer on another device re-plans in
-    `DintIntegralLayout.to`.
+    (`carried_tokens`), without a gradient, in eager mode, where the holder keeps only the last state, and where no
+    kernel costs the host less: the CPU op, which fuses the head norm's six ops too, does for layers that normalize
+    each head (`head_norm`, v1); without a head norm the in-place ops do. What varies per layer (a head norm's hooks) is
+    checked at the call (`kernel_takes`), and a layer on another device re-plans in `DintIntegralLayout.to`.
 
     Args:
         elements (`int`): the elements of O1 per layer, `B * T * heads * C`.
         training (`bool`): the model's training mode.
         carried_tokens (`bool`): whether the holder carries sums of earlier calls.
+        head_norm (`bool`): whether the layers normalize each head (`config.head_norm`).
     """
     compiling, gradient = torch.compiler.is_compiling(), torch.is_grad_enabled()
     layout.state = state
-    _choose(layout, device, requested_integral_kernel(), dtype, elements, gradient, training, compiling)
+    layout.plan_inputs = (requested_integral_kernel(), dtype, elements, gradient, training, compiling)
+    implementation = choose_implementation(device, *layout.plan_inputs, layout.carry_per_row, state)
     layout.decoding_step = (
         carried_tokens
-        and layout.implementation != TRITON_KERNEL
+        and implementation != TRITON_KERNEL
+        and not (implementation == CPU_KERNEL and head_norm)
         and not (compiling or gradient or layout.carry_per_row)
         and state is not None
         and not state.records_rows
         and layout.running_query_count.shape[1] == 1
+        and _writable_here(state.carried(0, SIGNAL_SUM))
     )
+    _choose(layout, device, implementation, compiling)
     if layout.decoding_step and isinstance(layout.carry_kept, torch.Tensor):
         layout.step_carry_factor = layout.carry_kept.to(torch.float32).view(-1, 1, 1, 1)
     if layout.decoding_step and layout.query_valid is not None:
@@ -601,7 +612,7 @@ def forward_integral_layout(
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else inputs_embeds.dtype
     elements = batch_size * query_length * config.num_differential_heads * config.differential_head_dim
-    return plan_integral(layout, state, device, dtype, elements, training, carried_tokens)
+    return plan_integral(layout, state, device, dtype, elements, training, carried_tokens, config.head_norm)
 
 
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -701,11 +712,10 @@ class DintIntegral:
         state = layout.state if state is None else state
         if layout.implementation is None:  # a caller's own layout (vLLM's): planned by its first call
             plan_integral(layout, state, signal_output.device, signal_output.dtype, signal_output.numel(), False, False)
-        if layout.decoding_step and self._continues_state(signal_output, state):
-            combined = self._decoding_step(signal_output, noise_output, lambda_, layout, state)
-        elif layout.implementation != EAGER and kernel_takes(signal_output, noise_output, lambda_, head_norm):
+        combined = self._decoding_step(signal_output, noise_output, lambda_, layout, state) if layout.decoding_step else None
+        if combined is None and layout.implementation != EAGER and kernel_takes(signal_output, noise_output, lambda_, head_norm):
             return kernel_integral(self.layer_idx, signal_output, noise_output, lambda_, layout, state, head_norm)
-        else:  # the reference
+        if combined is None:  # the reference
             carry = None if state is None else state.carried(self.layer_idx, SIGNAL_SUM)
             running_signal_sum = segmented_running_sum(signal_output, layout, carry, layout.running_sum)
             if state is not None:
@@ -715,20 +725,15 @@ class DintIntegral:
             )
         return combined if head_norm is None else normalized(combined, head_norm, signal_output.dtype)
 
-    def _continues_state(self, signal_output: torch.Tensor, state: DintIntegralState) -> bool:
-        """Whether a decoding step can add to the holder's state in place: one per batch row, writable here."""
-        signal_sum = state.carried(self.layer_idx, SIGNAL_SUM)
-        return (
-            signal_sum is not None
-            and signal_sum.shape[0] == signal_output.shape[0]
-            and not (signal_sum.is_inference() and not torch.is_inference_mode_enabled())
-        )
-
-    def _decoding_step(self, signal_output, noise_output, lambda_, layout, state) -> torch.Tensor:
+    def _decoding_step(self, signal_output, noise_output, lambda_, layout, state) -> torch.Tensor | None:
         """A decoding step (`layout.decoding_step`; arguments as `__call__`'s): `S += O1` in the holder's own state, in
         place (S *= 0 first where the row starts a document, O1 zeroed where it is padding), then the combination:
-        the reference's arithmetic at one row, in its fewest ops (no casts: each op reads O1 and O2 as fp32)."""
-        running_signal_sum = state.carried(self.layer_idx, SIGNAL_SUM).unsqueeze(1)  # [B, 1, heads, C], the state
+        the reference's arithmetic at one row, in its fewest ops (no casts: each op reads O1 and O2 as fp32). None
+        where the holder keeps no state of this batch (one kept for the batch broadcasts): the reference runs."""
+        signal_sum = state.carried(self.layer_idx, SIGNAL_SUM)
+        if signal_sum is None or signal_sum.shape[0] != signal_output.shape[0]:
+            return None
+        running_signal_sum = signal_sum.unsqueeze(1)  # [B, 1, heads, C], a view of the state
         if layout.step_carry_factor is not None:
             running_signal_sum.mul_(layout.step_carry_factor)
         new_rows = signal_output if layout.step_valid is None else torch.where(layout.step_valid, signal_output, 0.0)

@@ -17,7 +17,7 @@ transformers and its sibling files.
 """
 
 # First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
-from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values  # noqa: I001
+from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values, unwrapped_forward  # noqa: I001
 
 import torch
 from torch import nn
@@ -304,6 +304,8 @@ class DintDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: DintConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.self_attn = DINT_ATTENTION_CLASSES[config.differential_attention](config=config, layer_idx=layer_idx)
+
+    forward = unwrapped_forward(LlamaDecoderLayer)  # Llama's, checkpointed by one wrapper (not Llama's and ours)
 
 
 DINT_AUTO_MAP = {  # what `save_pretrained` writes, so that every Auto class loads a DINT with `trust_remote_code`

@@ -157,6 +157,18 @@ def replace_plain_cache_layers(cache, dynamic_layer_class: type, static_layer_cl
             layers[layer_idx] = static_layer_class(max_cache_len=layer.max_cache_len)
 
 
+# --- `GradientCheckpointingLayer.__init_subclass__` wraps each subclass's `forward` (checkpointing), a subclass of a
+# layer again: a decoder layer that inherits Llama's forward would run two wrappers per call. Written for 5.24 (the
+# wrapper, `forward_with_checkpointing`, sets `__wrapped__`); releases without it return the forward as it is.
+def unwrapped_forward(layer_class: type):
+    """`layer_class.forward` without transformers' checkpointing wrapper, for a subclass to define as its own forward
+    (which transformers then wraps once, as it wraps Llama's own layer)."""
+    forward = layer_class.forward
+    if forward.__code__.co_name == "forward_with_checkpointing":  # transformers' wrapper (its `__wrapped__`: Llama's)
+        return forward.__wrapped__
+    return forward
+
+
 # --- recurrent states beside K/V: transformers' `LinearAttentionAndFullAttentionLayer` (and, from 5.14, its static
 # variant) keep per-layer recurrent states that a model reaches through `Cache.update_recurrent_state(states,
 # layer_idx, state_idx=...)`. Several states per layer, indexed by `state_idx`, exist from 5.14; this bridge serves
@@ -288,4 +300,5 @@ __all__ = [
     "RecurrentStateAndStaticFullAttentionLayer",
     "HAS_GET_RECURRENT_STATE",
     "get_recurrent_state",
+    "unwrapped_forward",
 ]

@@ -245,3 +245,28 @@ def test_compile_on_every_device_is_what_generate_reads():
         "transformers.generation.utils.GenerationMixin._valid_auto_compile_criteria", "5.5 - 5.24",
         "it no longer reads CompileConfig._compile_all_devices", module="release_bridges.py",
     )
+
+
+def test_the_decoder_layer_runs_one_checkpointing_wrapper():
+    """transformers wraps each decoder-layer subclass's `forward` for gradient checkpointing (5.24:
+    `GradientCheckpointingLayer.__init_subclass__`, `functools.wraps`): DINT's layer runs Llama's forward under one
+    wrapper, as Llama's own layer does, not two. Fails loudly when transformers changes how it wraps."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from modeling_dint.modeling_dint import DintDecoderLayer
+
+    llama_forward = compat.unwrapped_forward(LlamaDecoderLayer)
+    if LlamaDecoderLayer.forward is llama_forward:  # a release that does not wrap: nothing to unwrap
+        assert DintDecoderLayer.forward is llama_forward
+        return
+    assert LlamaDecoderLayer.forward.__code__.co_name == "forward_with_checkpointing"
+    assert DintDecoderLayer.forward.__code__.co_name == "forward_with_checkpointing"
+    assert DintDecoderLayer.forward.__wrapped__ is llama_forward
+    assert llama_forward.__code__.co_name != "forward_with_checkpointing"
+    # checkpointing still works through the one wrapper: a training step with gradient checkpointing
+    model = tiny_model()
+    model.gradient_checkpointing_enable()
+    model.train()
+    input_ids = torch.randint(2, 128, (2, 12))
+    model(input_ids, labels=input_ids).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
