@@ -13,12 +13,14 @@ run's own noise beside them.
   shared VM this reached 1.6 with the load average below 1).
 
 Steps: per-token decode after each prompt length, batched `generate()`, prefill at each length. A pair whose models
-the run lacks is left out of its table.
+the run lacks is left out of its table. `--write` files the table under `bench/results/pair_ratios/cpu/`.
 """
 
 import argparse
 import json
+import os
 import statistics
+import sys
 
 
 def samples(entries: list[dict], model: str, key: str, **match) -> list[float] | None:
@@ -58,20 +60,29 @@ def main(argv=None) -> None:
     parser.add_argument("results", nargs="+", help="results.json files of bench/run_benchmark.py")
     parser.add_argument("--pair", action="append", default=None,
                         help="MODEL/BASELINE (bench_common.MODEL_NAMES), repeatable; default dint_fast/diffllama")
+    parser.add_argument("--write", action="store_true", help="file the table under bench/results/pair_ratios/cpu/")
     args = parser.parse_args(argv)
     pairs = [pair.split("/") for pair in args.pair or ["dint_fast/diffllama"]]
-    print("| run | step | pair | paired median (wall; CPU) | ratio of minima | rounds | spread | load at start, end |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = ["| run | step | pair | paired median (wall; CPU) | ratio of minima | rounds | spread | load at start, end |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for path in args.results:
         result = json.load(open(path, encoding="utf-8"))
         settings, machine = result["settings"], result["machine"]
-        run = f"{settings['size']} {settings['dtype']}"
+        run = f"{settings['size']} {settings['dtype']}, {machine.get('git_commit')}"
         load = f"{machine.get('load_average_at_start')}, {machine.get('load_average_1_5_15')}"
         for model, baseline in pairs:
             for row in ratio_rows(result, model, baseline):
-                print(f"| {run} | {row['step']} | {model} / {baseline} | {row['paired_wall']:.3f}; "
-                      f"{row['paired_cpu']:.3f} | {row['minima']:.3f} | {row['rounds']} | {row['spread']:.2f} | {load} |")
+                lines.append(f"| {run} | {row['step']} | {model} / {baseline} | {row['paired_wall']:.3f}; "
+                             f"{row['paired_cpu']:.3f} | {row['minima']:.3f} | {row['rounds']} | {row['spread']:.2f} | {load} |")
+    if not args.write:
+        print("\n".join(lines))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_common
 
+    output = os.path.join(bench_common.results_dir("pair_ratios", "cpu"), "results.json")
+    summary = {"machine": bench_common.machine_info("cpu"), "results": args.results, "pairs": pairs}
+    bench_common.write_result(summary, output, "Ratios from the results named in the command.\n\n" + "\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()
