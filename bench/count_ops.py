@@ -12,7 +12,8 @@ the CPU, and prints what DINT adds over its DIFF twin per layer.
 
 `--write` counts twice, each in a fresh process: with the package's defaults (where no gradient is wanted, the CPU
 integral is one C++ op) and with `DINT_CPU_KERNEL=0` (the eager ops, what CUDA runs for short calls). The docs quote
-that record and `tests/test_op_counts.py` recounts it, so a change of the model's ops fails there until re-recorded.
+that record (`--write` also rewrites the tables between the `op-counts` markers of docs/performance.md) and
+`tests/test_op_counts.py` recounts it, so a change of the model's ops fails there until re-recorded.
 The blocked running sum of the eager ops adds a level per factor of 16 rows: counts depend on the length a little.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +54,8 @@ LABELS = {"dint_fast": "DINT-V1", "diffllama": "DiffLlama", "llama": "Llama (2h)
 SETTINGS = {"default": {}, "DINT_CPU_KERNEL=0": {"DINT_CPU_KERNEL": "0"}}
 """The environments `--write` records: the package's defaults, and the CPU integral kernel off (the eager ops)."""
 RECORD = os.path.join(bench_common.results_dir("count_ops", "cpu"), "results.json")
+DOCUMENT = os.path.join(bench_common.REPO_ROOT, "docs", "performance.md")
+REGION = re.compile(r"(<!-- op-counts: begin.*?-->)(.*?)(<!-- op-counts: end -->)", re.DOTALL)
 
 
 def count_model_ops(model, input_ids: torch.Tensor, steps=STEPS) -> dict[str, collections.Counter]:
@@ -152,6 +156,22 @@ def write_record(args, argv: list[str]) -> None:
     for setting in SETTINGS:
         lines += [f"**{setting}**", "", *table(counts[setting], args.num_layers), ""]
     bench_common.write_result(result, RECORD, "\n".join(lines))
+    update_document(counts, args.num_layers)
+
+
+def update_document(counts: dict, layers: int) -> None:
+    """Replaces the Markdown tables inside DOCUMENT's op-counts region, in order, by the tables of `SETTINGS`."""
+    tables = iter("\n".join(table(counts[setting], layers)) for setting in SETTINGS)
+    with open(DOCUMENT, encoding="utf-8") as file:
+        text = file.read()
+
+    def region(match):
+        body = re.sub(r"(?:^\|.*\n)+", lambda _: next(tables) + "\n", match.group(2), flags=re.MULTILINE)
+        return match.group(1) + body + match.group(3)
+
+    with open(DOCUMENT, "w", encoding="utf-8") as file:
+        file.write(REGION.sub(region, text, count=1))
+    print(f"updated the op-counts tables of {os.path.relpath(DOCUMENT, bench_common.REPO_ROOT)}")
 
 
 def main(argv=None) -> None:

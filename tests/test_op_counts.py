@@ -1,6 +1,7 @@
 """The operation counts a user reads come from one committed record, bench/results/count_ops/cpu/results.json (which
-`python bench/count_ops.py --write` rewrites), and that record is what the code dispatches today (issue 57): a change
-of the model's ops fails here until the record is rewritten, and a number in the docs that the record lacks fails too.
+`python bench/count_ops.py --write` rewrites, with the tables of docs/performance.md), and that record is what the
+code dispatches today (issue 57): a change of the model's ops fails here until the record is rewritten, and a number in
+the docs that the record lacks fails too.
 
 The docs keep op counts between `<!-- op-counts: begin ... -->` and `<!-- op-counts: end -->`; outside such a region,
 the pages that report measurements (docs/performance.md, bench/README.md) state no count of ops.
