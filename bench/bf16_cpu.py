@@ -17,7 +17,6 @@ llama).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,6 @@ import bench_common  # noqa: E402
 import run_benchmark  # noqa: E402
 from report import _paired_ratio  # noqa: E402
 
-
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv=None):

@@ -34,8 +34,6 @@ import bench_common  # noqa: E402
 from report import _paired_ratio  # noqa: E402
 from run_benchmark import timed_region  # noqa: E402
 
-
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 # name -> (bench_common model, backend, one_pass_attention for DINT)
 VARIANTS = {
     "dint_one_pass": ("dint_fast", "flex_attention", None),
