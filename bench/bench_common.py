@@ -23,6 +23,7 @@ import gc
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -32,6 +33,12 @@ from torch import nn
 
 from modeling_dint.transformers_compat import CACHE_ARGUMENT  # `cache` from transformers 5.24, `past_key_values` before
 
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+"""Committed results: `results/<script>/<machine kind>/`, the latest run of that script on that kind of machine (git
+keeps the earlier ones)."""
 
 MODEL_NAMES = ("dint_fast", "dint_eager", "diffllama", "llama", "dint_v2", "diff_v2")
 V2_MODEL_NAMES = ("dint_v2", "diff_v2")
@@ -272,8 +279,28 @@ def collect_garbage(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def machine_kind(device: str) -> str:
+    """The kind of machine a result is filed under: "cpu", or the GPU's model in lower case ("h200", "h100")."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    match = re.search(r"\b([A-Z]+\d+)", name.replace("NVIDIA", ""))
+    return match.group(1).lower() if match else re.sub(r"\W+", "_", name.lower()).strip("_")
+
+
+def results_dir(script: str, device: str) -> str:
+    """`bench/results/<script>/<machine kind>/`, where a run of `script` (a file name or path) files its results."""
+    return os.path.join(RESULTS_DIR, os.path.splitext(os.path.basename(script))[0], machine_kind(device))
+
+
+def command_line() -> str:
+    """The command that started this process, as typed from the repository root."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT)
+    return " ".join(["python", script, *(shlex.quote(argument) for argument in sys.argv[1:])])
+
+
 def machine_info(device: str) -> dict:
-    """The machine and the versions a result depends on."""
+    """The machine and the versions a result depends on, and the command that measured it."""
     import transformers
 
     info = {
@@ -289,6 +316,7 @@ def machine_info(device: str) -> dict:
         "device": device,
         "git_commit": _git_commit(),
         "load_average_1_5_15": load_average(),
+        "command": command_line(),
     }
     try:
         import modeling_dint
@@ -308,13 +336,39 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def run_header(machine: dict) -> str:
+    """The Markdown lines that open every result file: date, machine, versions, commit and command (from
+    `machine_info`; "not recorded" for what an older result lacks)."""
+
+    def field(key):
+        value = machine.get(key)
+        return "not recorded" if value in (None, "") else value
+
+    if machine.get("gpu"):
+        where = f"{machine['gpu']} (CUDA {field('cuda')}), host {field('processor')}"
+    else:
+        where = f"{field('processor')}, {field('cpu_count')} CPUs, {field('torch_threads')} torch thread(s)"
+    load = machine.get("load_average_at_start") or machine.get("load_average_before")
+    load_text = f"{load} at the start, {field('load_average_1_5_15')} at the end" if load else field("load_average_1_5_15")
+    return "\n".join([
+        f"- date: {field('date_utc')}",
+        f"- machine: {where}; load average (1, 5, 15 min): {load_text}",
+        f"- torch {field('torch')}, transformers {field('transformers')}",
+        f"- commit: {field('git_commit')}",
+        f"- command: `{field('command')}`",
+    ]) + "\n"
+
+
 def write_result(result: dict, output: str, markdown: str) -> None:
-    """Writes `result` to `output` (JSON) and `markdown` next to it (`.md`), and prints the markdown."""
+    """Writes `result` to `output` (JSON) and `markdown` next to it (`.md`) after the run's header (`run_header` of
+    `result["machine"]`), and prints the markdown. `output` is normally under `results_dir(script, device)`."""
     import json
 
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as file:
         json.dump(result, file, indent=1)
+        file.write("\n")
+    markdown = run_header(result.get("machine") or {}) + "\n" + markdown
     with open(os.path.splitext(output)[0] + ".md", "w") as file:
         file.write(markdown)
     print(markdown)
@@ -347,12 +401,11 @@ def _total_memory_gb() -> float | None:
 
 def _git_commit() -> str | None:
     try:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         commit = subprocess.run(
-            ["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", repo, "status", "--porcelain", "--", "modeling_dint"], capture_output=True, text=True
+            ["git", "-C", REPO_ROOT, "status", "--porcelain", "--", "modeling_dint"], capture_output=True, text=True
         ).stdout.strip()
         return commit + ("+dirty(modeling_dint)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

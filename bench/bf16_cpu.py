@@ -10,14 +10,13 @@ lambda vectors and integral statistics in fp32 (`from_pretrained(dtype=torch.bfl
 
     python bench/bf16_cpu.py --size smollm2-135m --seq-lens 512,2048 --prompt-lens 128 --generate-rounds 3
 
-Writes `results.json` and `results.md` to `--output-dir` (default `bench/results/cpu_bf16_vs_fp32_<size>/`). Any
+Writes `<size>.json` and `<size>.md` to `--output-dir` (default `bench/results/bf16_cpu/cpu/`). Any
 `run_benchmark.py` flag is accepted (`--threads`, `--repeats`, `--decode-blocks`, ...); `--dtype` and
 `--models` name what is compared here: `--dtypes` (default fp32,bf16) and `--models` (default dint_fast,diffllama,
 llama).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,6 @@ import bench_common  # noqa: E402
 import run_benchmark  # noqa: E402
 from report import _paired_ratio  # noqa: E402
 
-
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv=None):
@@ -49,7 +46,7 @@ def parse_args(argv=None):
         rest += ["--prompt-lens", "128"]
     args = run_benchmark.parse_args(rest + ["--output-dir", "unused"])
     args.dtypes = own.dtypes.split(",")
-    args.output_dir = own.output_dir or os.path.join(BENCH_DIR, "results", f"cpu_bf16_vs_fp32_{args.size}")
+    args.output_dir = own.output_dir or bench_common.results_dir("bf16_cpu", "cpu")
     return args
 
 
@@ -169,12 +166,7 @@ def main(argv=None) -> None:
         "generate": generate_results,
         "wall_s": time.perf_counter() - started,
     }
-    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
-    markdown = render(results, args)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write(markdown)
-    print(markdown)
+    bench_common.write_result(results, os.path.join(args.output_dir, f"{args.size}.json"), render(results, args))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ generate()'s own work per token, the same for every model). The models run round
 order rotates), after a warm-up that compiles; the ratio is the median of the per-round ratios. The compiled graphs
 each model needed are counted (one decode graph expected).
 
-    python bench/compiled_decode.py --output-dir bench/results/cpu_fp32_compiled_decode
+    python bench/compiled_decode.py                  # bench/results/compiled_decode/cpu/results.{json,md}
 
-Writes `results.json` and `results.md` to `--output-dir` (default: runs/compiled_decode, not committed).
+Writes `results.json` and `results.md` to `--output-dir` (default: `bench/results/compiled_decode/cpu/`).
 """
 
 import argparse
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=sorted(bench_common.DTYPES))
     parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--output-dir", default=os.path.join("runs", "compiled_decode"))
+    parser.add_argument("--output-dir", default=bench_common.results_dir("compiled_decode", "cpu"))
     args = parser.parse_args(argv)
     args.max_positions = args.prompt_len + args.new_tokens + 1
     return args

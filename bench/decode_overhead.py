@@ -4,7 +4,7 @@ Python, the dispatcher and the op count are nearly all of it, as in eager decodi
 the GPU waits on the host). A CPU-side proxy for `bench/gpu_bf16.py`'s eager decode target (DINT-V2 / Llama with 2h
 query heads <= 1.05), measured without a GPU.
 
-    python bench/decode_overhead.py --output-dir bench/results/decode_overhead_cpu
+    python bench/decode_overhead.py                  # bench/results/decode_overhead/cpu/results.{json,md}
 
 The models are `gpu_bf16.py`'s (`--smoke` shapes: hidden 64, 4 softmax maps, 2 KV heads, vocab 256; `--layers`
 layers), fp32, the dynamic cache after a 16-token prompt; a round decodes `--tokens` tokens with each model in turn (the
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per model and round")
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--output-dir", default=os.path.join("runs", "decode_overhead"))
+    parser.add_argument("--output-dir", default=bench_common.results_dir("decode_overhead", "cpu"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shapes = gpu_bf16.parse_args(["--device", "cpu", "--smoke"])

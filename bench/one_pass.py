@@ -14,7 +14,7 @@ median over rounds of the two models' times in that round):
 Steps: `prefill` (no gradient, a fresh cache, the last position's logits: what generate() does first), `forward`
 (no gradient, no cache, every position's logits) and, on a GPU, `forward_backward` (LM loss, backward; FlexAttention
 has no CPU backward in torch 2.13). Writes `results.json` (raw samples, machine, load average before and after) and
-`results.md` to `--output-dir` (default `bench/results/one_pass_<device>_<dtype>/`).
+`results.md` to `--output-dir` (default `bench/results/one_pass/<machine kind>/`), named `<size>_<dtype>`.
 
     python bench/one_pass.py                                    # CPU fp32, prefill at 2048, 4096, 8192 tokens
     python bench/one_pass.py --device cuda --dtype bf16 --steps forward,forward_backward --seq-lens 2048,8192,16384
@@ -34,8 +34,6 @@ import bench_common  # noqa: E402
 from report import _paired_ratio  # noqa: E402
 from run_benchmark import timed_region  # noqa: E402
 
-
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 # name -> (bench_common model, backend, one_pass_attention for DINT)
 VARIANTS = {
     "dint_one_pass": ("dint_fast", "flex_attention", None),
@@ -75,9 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.steps = args.steps.split(",")
     args.seq_lens = [int(n) for n in args.seq_lens.split(",")]
     args.max_positions = max(args.seq_lens)
-    args.output_dir = args.output_dir or os.path.join(
-        BENCH_DIR, "results", f"one_pass_{args.device.split(':')[0]}_{args.dtype}"
-    )
+    args.output_dir = args.output_dir or bench_common.results_dir("one_pass", args.device)
     return args
 
 
@@ -252,7 +248,7 @@ def main(argv=None) -> None:
     results = measure(args, models, log)
     load_after = bench_common.load_average()
     command = "python bench/one_pass.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
+    with open(os.path.join(args.output_dir, f"{args.size}_{args.dtype}.json"), "w") as handle:
         json.dump(
             {
                 "command": command,
@@ -283,8 +279,10 @@ def main(argv=None) -> None:
         f"Target: dint_one_pass / fastest DiffLlama <= {RATIO_TARGET} from 4096 tokens (CPU prefill).",
         "",
     ] + ratio_table(results, args)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.output_dir, f"{args.size}_{args.dtype}.md"), "w") as handle:
+        handle.write(bench_common.run_header({**machine_before, "load_average_at_start": machine_before["load_average_1_5_15"],
+                                              "load_average_1_5_15": load_after}) + "\n"
+                     + "\n".join(lines) + "\n")
     log("\n".join(lines))
 
 

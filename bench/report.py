@@ -1,9 +1,9 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """Markdown tables and a plot from a benchmark's `results.json`.
 
-`run_benchmark.py` calls `write_report`; to render again from saved results:
+`run_benchmark.py` calls `write_report`; to render again from saved results (`--plot`: also the PNG):
 
-    python bench/report.py bench/results/cpu_fp32/results.json
+    python bench/report.py bench/results/run_benchmark/cpu/default_fp32.json
 """
 
 import argparse
@@ -494,13 +494,17 @@ def render_plot(results: dict, path: str) -> None:
     plt.close(figure)
 
 
-def write_report(results: dict, output_dir: str) -> tuple[str, str]:
-    markdown_path = os.path.join(output_dir, "results.md")
-    with open(markdown_path, "w") as handle:
-        handle.write(render_markdown(results))
-    plot_path = os.path.join(output_dir, "results.png")
-    render_plot(results, plot_path)
-    return markdown_path, plot_path
+def write_report(results: dict, stem: str, plot: bool = False) -> list[str]:
+    """`stem.md` (the run's header, then the tables) and, with `plot`, `stem.png`; returns the paths written."""
+    from bench_common import run_header
+
+    written = [stem + ".md"]
+    with open(written[0], "w") as handle:
+        handle.write(run_header(results.get("machine") or {}) + "\n" + render_markdown(results))
+    if plot:
+        written.append(stem + ".png")
+        render_plot(results, written[1])
+    return written
 
 
 def main() -> None:
@@ -508,10 +512,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_json")
+    parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
     with open(args.results_json) as handle:
         results = json.load(handle)
-    for path in write_report(results, os.path.dirname(os.path.abspath(args.results_json))):
+    for path in write_report(results, os.path.splitext(args.results_json)[0], plot=args.plot):
         print(path)
 
 

@@ -20,9 +20,9 @@ gradient, a fresh cache, the last position's logits: what generate() does first)
 `bench_common.SIZE_PRESETS` (SmolLM2-135M's and a 1B shape among them; random weights, nothing downloaded); the models
 share one copy of the weights.
 
-Writes `results.json` (raw samples, machine, versions), `results.md` (ratio and absolute tables) and `results.png`
-to `--output-dir` (default `bench/results/<device>_<dtype>/`, the committed results; with `--quick`,
-`outputs/bench/<device>_<dtype>_quick/`). Run `python bench/run_benchmark.py --quick` for a one-to-two-minute smoke
+Writes `<name>.json` (raw samples, machine, versions, command), `<name>.md` (ratio and absolute tables) and, with
+`--plot`, `<name>.png` to `--output-dir` (default `bench/results/run_benchmark/<machine kind>/`, the committed results;
+with `--quick`, `outputs/bench/run_benchmark_quick/`); `--name` defaults to `<size>_<dtype>`. Run `python bench/run_benchmark.py --quick` for a one-to-two-minute smoke
 run; `--help` lists the knobs.
 """
 
@@ -94,7 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     parser.add_argument("--quick", action="store_true", help="small lengths, 1 repetition: a 1-2 minute smoke run")
     parser.add_argument("--output-dir", default=None,
-                        help="default: bench/results/<device>_<dtype>; with --quick outputs/bench/<device>_<dtype>_quick")
+                        help="default: bench/results/run_benchmark/<machine kind>; with --quick outputs/bench/run_benchmark_quick")
+    parser.add_argument("--name", default=None, help="the result files' name (default: <size>_<dtype>)")
+    parser.add_argument("--plot", action="store_true", help="also write <name>.png (needs matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -129,12 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         + [p + (args.decode_warmup + args.decode_blocks) * args.decode_block + 1 for p in args.prompt_lens]
         + [args.generate_prompt_len + args.generate_new_tokens]
     )
+    args.name = args.name or f"{args.size}_{args.dtype}"
     if args.output_dir is None:
-        run_name = f"{args.device.split(':')[0]}_{args.dtype}" + ("" if args.size == "default" else f"_{args.size}")
         # --quick (a smoke run) must not overwrite the committed results the READMEs link: outputs/ is git-ignored.
         args.output_dir = (
-            os.path.join("outputs", "bench", f"{run_name}_quick") if args.quick
-            else os.path.join(BENCH_DIR, "results", run_name)
+            os.path.join("outputs", "bench", "run_benchmark_quick") if args.quick
+            else bench_common.results_dir("run_benchmark", args.device)
         )
     return args
 
@@ -533,12 +535,12 @@ def main(argv=None) -> None:
         "generate": generate_results,
         "wall_s": time.perf_counter() - started,
     }
-    json_path = os.path.join(args.output_dir, "results.json")
+    json_path = os.path.join(args.output_dir, f"{args.name}.json")
     with open(json_path, "w") as handle:
         json.dump(results, handle, indent=1)
-    markdown_path, plot_path = report.write_report(results, args.output_dir)
-    log(f"wrote {json_path}, {markdown_path}, {plot_path}")
-    print(open(markdown_path).read())
+    written = report.write_report(results, os.path.join(args.output_dir, args.name), plot=args.plot)
+    log(f"wrote {json_path}, {', '.join(written)}")
+    print(open(written[0]).read())
 
 
 if __name__ == "__main__":

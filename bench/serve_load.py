@@ -9,7 +9,7 @@ sending `--requests-per-client` chat completions one after the other (greedy, `-
 prompt). Measured per level: requests/s and generated tokens/s over the level's wall time, p50 and p95 request
 latency, and the server process's peak resident memory (VmHWM) after the level.
 
-    python bench/serve_load.py                       # writes bench/results/serve_cpu/results.{json,md}
+    python bench/serve_load.py                       # writes bench/results/serve_load/cpu/results.{json,md}
     python bench/serve_load.py --models dint llama diffllama --concurrency 1 4 16 --repeats 3
     python bench/serve_load.py --offline             # no server: model.generate_batch on the same requests
 
@@ -55,7 +55,7 @@ def parse_args():
     parser.add_argument("--cb-num-blocks", type=int, default=64, help="paged-cache blocks of each server")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="tokens per step of each server")
     parser.add_argument("--offline", action="store_true", help="generate_batch without a server (see above)")
-    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "serve_cpu"))
+    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "serve_load", "cpu"))
     add_model_size_arguments(parser)
     parser.set_defaults(max_positions=2048)
     return parser.parse_args()

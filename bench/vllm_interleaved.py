@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--requests", type=int, default=1, help="different prompts generated together")
     parser.add_argument("--vllm-python", default=None, help="default: the virtualenv of .ci/vllm_env.py")
-    parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_interleaved", "results.json"))
+    parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_interleaved", "cpu", "results.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.requests < 1:

@@ -20,10 +20,10 @@ turn, the order alternating), so other load on the machine falls on all of them 
 tokens/s and requests/s over the level's wall time, p50/p95 latency. Also each vLLM server's KV-cache capacity (the
 tokens vLLM reports for its `VLLM_CPU_KVCACHE_SPACE`), i.e. the KV-cache bytes per token it accounts.
 
-    python bench/vllm_load.py                                  # bench/results/vllm_cpu/results.{json,md}
+    python bench/vllm_load.py                                  # bench/results/vllm_load/cpu/results.{json,md}
     python bench/vllm_load.py --sizes tiny --concurrency 1 4 --repeats 1
     python bench/vllm_load.py --sizes tiny-gqa --systems vllm-dint vllm-llama vllm-dint-v2 --concurrency 1 16 \
-        --repeats 1 --output-dir bench/results/vllm_cpu_v2       # DINT-V2's row (issue 37)
+        --repeats 1 --output-dir /tmp/vllm_v2    # DINT-V2's row (issue 37)
 
 Needs the serving extra in this python (pip install -e ".[serve]") and the vLLM virtualenv (`python .ci/vllm_env.py`).
 """
@@ -81,7 +81,7 @@ def parse_args():
     parser.add_argument("--dint-serve-python", default=None,
                         help="the python that runs dint-serve (default: this one), e.g. a virtualenv with another "
                         "transformers release")
-    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_cpu"))
+    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_load", "cpu"))
     return parser.parse_args()
 
 

@@ -62,7 +62,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vllm-python", default=None, help="default: the virtualenv of .ci/vllm_env.py")
-    parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_profile", "results.json"))
+    parser.add_argument("--output", default=os.path.join(REPO_ROOT, "bench", "results", "vllm_profile", "cpu", "results.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
