@@ -293,7 +293,7 @@ def convert_checkpoint(
         ValueError: an unsupported or unreadable source, a config that fails validation, or an output that is,
             contains or lies inside the source.
         FileNotFoundError: `source_dir` does not exist.
-        FileExistsError: `output_dir` exists and not `force`.
+        FileExistsError: `output_dir` is a file, or a folder and not `force`.
         OSError: the output cannot be written.
     """
     plan = plan_conversion(

@@ -67,7 +67,9 @@ def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
             f"Cannot convert a DINT model with differential_attention={source_config.differential_attention!r} to "
             "DiffLlama: DiffLlama has DIFF V1's head layout only (the first half of the query heads are signal maps, "
             "each differential head reads 2*head_dim value channels, one lambda per layer); DIFF V2's layout (pairs "
-            "of query heads over one KV head, lambda per token) has no DiffLlama equivalent. Only v1 models convert."
+            "of query heads over one KV head, lambda per token) has no DiffLlama equivalent. Only v1 models convert. "
+            "A checkpoint of Microsoft's DIFF V2 attention (MultiheadFlashDiffV2) whose config.json says model_type "
+            "'dint' converts to DINT-V2 with --source-format reference-diff-v2 (source_format='reference-diff-v2')."
         )
     if source_config.integral != "none":
         raise ValueError(

