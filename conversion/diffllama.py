@@ -16,7 +16,7 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import HEAD_LAYOUT_FIELDS, ConversionPlan, shared_decoder_fields
+from .plan import HEAD_LAYOUT_FIELDS, SAME_LOGITS, ConversionPlan, integral_outcome, shared_decoder_fields
 
 
 def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = "mean") -> DintConfig:
@@ -44,8 +44,7 @@ def plan_diffllama_to_dint(source, source_config: PreTrainedConfig, integral: st
         integral: the DINT model's integral mode; `"none"` reproduces DiffLlama's logits.
     """
     config = dint_config_from_diffllama(source_config, integral)
-    notes = [f"integral={integral!r}" + (": logits equal DiffLlama's." if integral == "none" else ".")]
-    plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
+    plan = ConversionPlan(config, DintForCausalLM, source, integral_outcome(integral))
     plan.copy_source_tensors()
     for layer_idx in range(config.num_hidden_layers):
         scale = 1.0 - config.lambda_init_for_layer(layer_idx)
@@ -102,7 +101,7 @@ def plan_dint_to_diffllama(source, source_config: DintConfig) -> ConversionPlan:
         source_config: the `DintConfig`.
     """
     config = diffllama_config_from_dint(source_config)
-    plan = ConversionPlan(config, DiffLlamaForCausalLM, source)
+    plan = ConversionPlan(config, DiffLlamaForCausalLM, source, SAME_LOGITS)
     plan.copy_source_tensors(skip=lambda name: name.endswith(".self_attn.head_norm.weight"))
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."

@@ -12,7 +12,7 @@ import peft
 import pytest
 import torch
 from test_conversion import TINY, TOKENIZER_DIR, chat_prompt, input_ids, load_dint, logits_of, make_model
-from test_conversion import decoder_forward, reference_rope_interleaved, smollm2_llama_dir
+from test_conversion import decoder_forward, docs_outcome, reference_rope_interleaved, smollm2_llama_dir
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -356,8 +356,9 @@ def save_reference_v2(directory, config, state):
 def test_diff_v2_to_dint_v2_gives_microsofts_outputs(tmp_path, num_heads, num_kv_heads, head_dim, output_name, rotary):
     config, state = make_reference_v2_model(num_heads, num_kv_heads, head_dim, output_name)
     save_reference_v2(tmp_path / "diff-v2", config, state)
-    convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint", source_format="reference-diff-v2", integral="none",
-                       rotary=rotary, progress=False)
+    plan = convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint", source_format="reference-diff-v2",
+                              integral="none", rotary=rotary, progress=False)
+    assert plan.outcome == "logits equal the source's" and plan.outcome in docs_outcome("Microsoft's DIFF V2")
     dint = load_dint(tmp_path / "dint")
     assert dint.config.differential_attention == "v2" and dint.config.lambda_gate is False
     assert (dint.config.num_attention_heads, dint.config.num_key_value_heads, dint.config.head_dim) == (
@@ -368,8 +369,10 @@ def test_diff_v2_to_dint_v2_gives_microsofts_outputs(tmp_path, num_heads, num_kv
     torch.testing.assert_close(logits_of(dint, ids), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
     # The same checkpoint with the integral: a different function (the integral term acts), rows still run.
-    convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint-mean", source_format="reference-diff-v2",
-                       rotary=rotary, progress=False)
+    plan = convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint-mean", source_format="reference-diff-v2",
+                              rotary=rotary, progress=False)
+    assert plan.outcome.startswith("the source's logits plus the integral term")
+    assert plan.outcome in docs_outcome("Microsoft's DIFF V2")
     assert (logits_of(load_dint(tmp_path / "dint-mean"), ids) - expected).abs().max() > 1e-3
 
 
