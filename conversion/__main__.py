@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rotary", default="interleaved", choices=ROTARY_LAYOUTS,
                         help="reference-diff and reference-diff-v2 sources: RoPE channel layout of the checkpoint "
                              "(default: interleaved)")
+    parser.add_argument("--accept-sliding-window-difference", action="store_true",
+                        help="Mistral / Qwen2 sources that attend within a sliding window: convert them anyway; DINT "
+                             "attends to the whole causal prefix, so the logits equal the source's only up to the "
+                             "window's length (without it such a source is refused)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors shard, e.g. 5GB or 500MB (default: 5GB)")
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
@@ -56,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status. Every expected failure (a refused or unreadable source, an invalid
-    config, an output that cannot or must not be written) is one line on stderr and status 2."""
+    config, an output that cannot or must not be written) is one line on stderr and status 2. The last line of a
+    conversion says what the converted model computes against the source (`ConversionPlan.outcome`)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -65,21 +70,22 @@ def main(argv: list[str] | None = None) -> int:
             args.output,
             source_format=args.source_format,
             dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            force=args.force,
+            progress=not args.quiet,
             integral=args.integral,
             head_init=args.head_init,
             lambda_std_dev=args.lambda_std_dev,
             seed=args.seed,
             rotary=args.rotary,
             differential_attention=args.differential_attention,
-            max_shard_size=args.max_shard_size,
-            force=args.force,
-            progress=not args.quiet,
+            accept_sliding_window_difference=args.accept_sliding_window_difference,
         )
     except (ValueError, OSError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes it
         print(f"dint-convert: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
-    print(f"Wrote {plan.model_class.__name__} ({len(plan.tensors)} tensors) to {args.output}")
+    print(f"Wrote {plan.model_class.__name__} ({len(plan.tensors)} tensors) to {args.output}: {plan.outcome}.")
     return 0
 
 

@@ -402,7 +402,7 @@ def atomic_output_dir(
 
     Raises:
         ValueError: `output_dir` is, contains or lies inside `source_dir`.
-        FileExistsError: `output_dir` exists and not `force`.
+        FileExistsError: `output_dir` is a file (with or without `force`), or a folder and not `force`.
         OSError: the folder next to `output_dir` cannot be written, or a file in it (a full disk): one message
             naming `output_dir` and the reason.
     """
@@ -410,6 +410,11 @@ def atomic_output_dir(
     if source_dir is not None:
         refuse_output_in_source(output_dir, source_dir)
     remove_leftovers(output_dir)  # first: it may move back the output of a run killed while replacing it
+    if os.path.lexists(output_dir) and not output_dir.is_dir():
+        raise FileExistsError(
+            f"Output path {str(output_dir)!r} is a file, not a folder: choose a folder path (the converter writes a "
+            "folder of config.json and weights), or remove the file first; --force replaces a folder, never a file."
+        )
     if os.path.lexists(output_dir) and not force:
         raise FileExistsError(
             f"Output directory {str(output_dir)!r} already exists: pass --force (force=True) to replace it."

@@ -3,7 +3,8 @@
 
 Source formats:
 - `llama` (model_type llama, mistral or qwen2) -> DINT: v1 (`head_init="copy"` or `"duplicate"`) or, with
-  `differential_attention="v2"`, DIFF V2's layout at the source's KV cache and function (see `llama.py`);
+  `differential_attention="v2"`, DIFF V2's layout at the source's KV cache and function (see `llama.py`); a source
+  that attends within a sliding window only with `accept_sliding_window_difference`;
 - `diffllama` -> DINT (see `diffllama.py`);
 - `dint` -> DiffLlama, for a DINT model with `integral="none"` (see `diffllama.py`);
 - `reference-diff`: Microsoft's reference Diff-Transformer layout -> DINT (see `reference.py`); never auto-detected;
@@ -46,7 +47,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ConversionOptions:
-    """The choices a planner may read (each reads its own; see `convert_checkpoint` for their meaning)."""
+    """The choices of a conversion, the keyword arguments `**options` of `plan_conversion` and `convert_checkpoint`
+    (and the CLI's options of the same names). Each planner reads its own.
+
+    Attributes:
+        integral: the DINT model's integral mode (ignored for DINT -> DiffLlama).
+        head_init: Llama-family sources to v1: `"copy"` (None means it) or `"duplicate"`.
+        lambda_std_dev: Llama-family sources to v1: std of the new lambda vectors (None: 0.1).
+        seed: Llama-family sources: seed of the new lambda vectors (v1) or `lambda_proj` (v2).
+        rotary: reference-diff and reference-diff-v2 sources: `"interleaved"` (the reference code's RoPE) or
+            `"half"`.
+        differential_attention: Llama-family sources: the DINT head layout, `"v1"` (None means it) or `"v2"` (DIFF
+            V2's, at the source's KV cache, starting at the source's function with `lambda_gate` at 0). Other
+            sources convert to their own layout (None, or that layout).
+        accept_sliding_window_difference: Llama-family sources that attend within a sliding window (Mistral's
+            `sliding_window`, Qwen2's `use_sliding_window`): convert them although DINT attends to the whole causal
+            prefix (the logits then equal the source's only up to the window's length); without it they are refused.
+    """
 
     integral: str = "mean"
     head_init: str | None = None
@@ -54,12 +71,13 @@ class ConversionOptions:
     seed: int = 0
     rotary: str = "interleaved"
     differential_attention: str | None = None
+    accept_sliding_window_difference: bool = False
 
 
 def _plan_llama(source: CheckpointReader, source_config, options: ConversionOptions) -> ConversionPlan:
     return plan_llama_to_dint(
         source, source_config, options.integral, options.head_init, options.lambda_std_dev, options.seed,
-        options.differential_attention or "v1",
+        options.differential_attention or "v1", options.accept_sliding_window_difference,
     )
 
 
@@ -211,24 +229,23 @@ def detect_source_format(source_dir: str | Path) -> str:
     )
 
 
-def plan_conversion(
-    source_dir: str | Path,
-    source_format: str = "auto",
-    integral: str = "mean",
-    head_init: str | None = None,
-    lambda_std_dev: float | None = None,
-    seed: int = 0,
-    rotary: str = "interleaved",
-    differential_attention: str | None = None,
-) -> ConversionPlan:
+def plan_conversion(source_dir: str | Path, source_format: str = "auto", **options) -> ConversionPlan:
     """Reads the source config, checks the checkpoint against it (`check_source_matches_config`), and plans the
     conversion (no tensor is computed yet; `plan.source` is the one `CheckpointReader` of the source folder).
 
+    Args:
+        source_dir: a `save_pretrained` folder (safetensors, or `.bin` read with `weights_only=True`).
+        source_format: `"auto"` (from config.json's model_type) or one of `SOURCE_FORMATS`.
+        **options: the conversion's choices by name, the fields of `ConversionOptions` (`integral`, `head_init`,
+            `seed`, `differential_attention`, ...), each with its default there.
+
     Raises:
         FileNotFoundError: `source_dir` does not exist.
-        ValueError: an unsupported source, a config that fails validation (source or converted), or a checkpoint
-            whose layers or sizes are not those of its config.
+        ValueError: an unsupported source, a config that fails validation (source or converted), a checkpoint
+            whose layers or sizes are not those of its config, or a conversion its planner refuses.
+        TypeError: an option that `ConversionOptions` does not have, named.
     """
+    options = ConversionOptions(**options)
     if source_format not in SOURCE_FORMATS:
         raise ValueError(f"`source_format` must be one of {SOURCE_FORMATS}, got {source_format!r}.")
     source_dir = existing_source_dir(source_dir)
@@ -237,7 +254,6 @@ def plan_conversion(
     source_config = load_source_config(source_dir, source_format)
     source = CheckpointReader(source_dir)
     check_source_matches_config(source, source_config, source_dir / "config.json")
-    options = ConversionOptions(integral, head_init, lambda_std_dev, seed, rotary, differential_attention)
     try:
         return PLANNERS[source_format](source, source_config, options)
     except StrictDataclassError as error:  # the converted config's validator, wrapped over several lines
@@ -250,15 +266,10 @@ def convert_checkpoint(
     output_dir: str | Path,
     source_format: str = "auto",
     dtype: str | torch.dtype | None = "auto",
-    integral: str = "mean",
-    head_init: str | None = None,
-    lambda_std_dev: float | None = None,
-    seed: int = 0,
-    rotary: str = "interleaved",
-    differential_attention: str | None = None,
     max_shard_size: int | str = "5GB",
     force: bool = False,
     progress: bool = True,
+    **options,
 ) -> ConversionPlan:
     """Converts the checkpoint in `source_dir` and writes it to `output_dir`, loadable with `from_pretrained`.
 
@@ -269,36 +280,31 @@ def convert_checkpoint(
 
     Args:
         source_dir: a `save_pretrained` folder (safetensors, or `.bin` read with `weights_only=True`).
-        output_dir: where to write; must not exist unless `force`, and must not be, contain or lie inside
-            `source_dir`. Hidden folders that a killed earlier run left next to it are removed first.
+        output_dir: where to write; must not exist unless `force`, and must not be a file, nor be, contain or lie
+            inside `source_dir`. Hidden folders that a killed earlier run left next to it are removed first.
         source_format: `"auto"` (from config.json's model_type) or one of `SOURCE_FORMATS`.
         dtype: `"auto"` (the source's), `"float32"`, `"float16"` or `"bfloat16"`. The lambda vectors stay fp32.
-        integral: the DINT model's integral mode (ignored for DINT -> DiffLlama).
-        head_init: Llama-family sources to v1: `"copy"` (None means it) or `"duplicate"`.
-        lambda_std_dev: Llama-family sources to v1: std of the new lambda vectors (default 0.1).
-        seed: Llama-family sources: seed of the new lambda vectors (v1) or `lambda_proj` (v2).
-        rotary: reference-diff and reference-diff-v2 sources: `"interleaved"` (the reference code's RoPE) or
-            `"half"`.
-        differential_attention: Llama-family sources: the DINT head layout, `"v1"` (None means it) or `"v2"` (DIFF
-            V2's, at the source's KV cache, starting at the source's function with `lambda_gate` at 0). Other
-            sources convert to their own layout (None, or that layout).
         max_shard_size: largest shard, e.g. `"5GB"`.
-        force: replace an existing `output_dir`.
+        force: replace an existing `output_dir` folder.
         progress: show a progress bar, one step per tensor.
+        **options: the conversion's choices by name, the fields of `ConversionOptions` (`integral`, `head_init`,
+            `lambda_std_dev`, `seed`, `rotary`, `differential_attention`, `accept_sliding_window_difference`), each
+            with its meaning and default there.
 
     Returns:
-        The `ConversionPlan` that was written (its `config` is the output config).
+        The `ConversionPlan` that was written (its `config` is the output config; its `outcome` says what the
+        converted model computes against the source).
 
     Raises:
-        ValueError: an unsupported or unreadable source, a config that fails validation, or an output that is,
+        ValueError: an unsupported or unreadable source, a config that fails validation, a conversion its planner
+            refuses (e.g. a sliding-window source without `accept_sliding_window_difference`), or an output that is,
             contains or lies inside the source.
         FileNotFoundError: `source_dir` does not exist.
-        FileExistsError: `output_dir` exists and not `force`.
+        FileExistsError: `output_dir` is a file, or a folder and not `force`.
         OSError: the output cannot be written.
+        TypeError: an option that `ConversionOptions` does not have, named.
     """
-    plan = plan_conversion(
-        source_dir, source_format, integral, head_init, lambda_std_dev, seed, rotary, differential_attention
-    )
+    plan = plan_conversion(source_dir, source_format, **options)
     reader_dtype = resolve_dtype(dtype, plan.source)
     plan.config.dtype = str(reader_dtype).removeprefix("torch.")
     with torch.device("meta"):

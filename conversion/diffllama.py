@@ -16,7 +16,7 @@ from transformers import DiffLlamaConfig, DiffLlamaForCausalLM, PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import HEAD_LAYOUT_FIELDS, ConversionPlan, shared_decoder_fields
+from .plan import HEAD_LAYOUT_FIELDS, SAME_LOGITS, ConversionPlan, integral_outcome, shared_decoder_fields
 
 
 def dint_config_from_diffllama(source_config: PreTrainedConfig, integral: str = "mean") -> DintConfig:
@@ -44,8 +44,7 @@ def plan_diffllama_to_dint(source, source_config: PreTrainedConfig, integral: st
         integral: the DINT model's integral mode; `"none"` reproduces DiffLlama's logits.
     """
     config = dint_config_from_diffllama(source_config, integral)
-    notes = [f"integral={integral!r}" + (": logits equal DiffLlama's." if integral == "none" else ".")]
-    plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
+    plan = ConversionPlan(config, DintForCausalLM, source, integral_outcome(integral))
     plan.copy_source_tensors()
     for layer_idx in range(config.num_hidden_layers):
         scale = 1.0 - config.lambda_init_for_layer(layer_idx)
@@ -67,7 +66,9 @@ def diffllama_config_from_dint(source_config: DintConfig) -> DiffLlamaConfig:
             f"Cannot convert a DINT model with differential_attention={source_config.differential_attention!r} to "
             "DiffLlama: DiffLlama has DIFF V1's head layout only (the first half of the query heads are signal maps, "
             "each differential head reads 2*head_dim value channels, one lambda per layer); DIFF V2's layout (pairs "
-            "of query heads over one KV head, lambda per token) has no DiffLlama equivalent. Only v1 models convert."
+            "of query heads over one KV head, lambda per token) has no DiffLlama equivalent. Only v1 models convert. "
+            "A checkpoint of Microsoft's DIFF V2 attention (MultiheadFlashDiffV2) whose config.json says model_type "
+            "'dint' converts to DINT-V2 with --source-format reference-diff-v2 (source_format='reference-diff-v2')."
         )
     if source_config.integral != "none":
         raise ValueError(
@@ -100,7 +101,7 @@ def plan_dint_to_diffllama(source, source_config: DintConfig) -> ConversionPlan:
         source_config: the `DintConfig`.
     """
     config = diffllama_config_from_dint(source_config)
-    plan = ConversionPlan(config, DiffLlamaForCausalLM, source)
+    plan = ConversionPlan(config, DiffLlamaForCausalLM, source, SAME_LOGITS)
     plan.copy_source_tensors(skip=lambda name: name.endswith(".self_attn.head_norm.weight"))
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."

@@ -25,6 +25,11 @@ source's, tensor for tensor); `lambda_proj` is new (normal(0, the source's initi
 learned gate per differential head on lambda) and the converter writes the gates as 0: `out_i = O1_i - 0 * lambda_i *
 (O2_i - S_i / c) = O1_i`, the source head's output, for every integral mode. The gate gets a gradient from the first
 step (`-lambda_i (O2_i - S_i / c)`, not 0), and `lambda_proj` and the noise queries as soon as the gate leaves 0.
+
+A source that attends within a sliding window (Mistral's `sliding_window`, Qwen2's sliding `layer_types`:
+`sliding_window_layers`) is refused unless `accept_sliding_window_difference`: DINT attends to the whole causal prefix,
+so "duplicate" and v2 keep the function only on sequences up to the window's length. `ConversionPlan.outcome` says
+which of these holds.
 """
 
 import math
@@ -34,7 +39,7 @@ from transformers import PreTrainedConfig
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import LAMBDA_NAMES, ConversionPlan, attention_sizes, shared_decoder_fields
+from .plan import LAMBDA_NAMES, SAME_LOGITS, ConversionPlan, attention_sizes, shared_decoder_fields
 
 
 LLAMA_FAMILY_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -44,6 +49,18 @@ HEAD_INITS = ("copy", "duplicate")
 """v1's ways to initialize the differential heads (`head_init`); the v2 conversion has one (the module docstring)."""
 
 DIFFERENTIAL_ATTENTIONS = ("v1", "v2")
+
+LAYER_TYPED_WINDOWS = ("qwen2",)
+"""Source model types whose layers attend within `sliding_window` only where `layer_types` says "sliding_attention"
+(Mistral's modeling reads no `layer_types`: its window, when set, is every layer's)."""
+
+SAME_FUNCTION = f"{SAME_LOGITS}, every integral mode"
+SAME_FUNCTION_WITHIN_WINDOW = (
+    f"{SAME_LOGITS} up to the sliding window's length, every integral mode, and differ past it"
+)
+NEW_FUNCTION = "not the source's function: same weights, DINT attention; continue training"
+"""`ConversionPlan.outcome` of the Llama-family conversions: `head_init="duplicate"` and v2 keep the function (up to a
+sliding window's length, where the source has one), `"copy"` does not."""
 
 SKIPPED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers that old Llama checkpoints store and DINT recomputes."""
@@ -56,7 +73,9 @@ def dint_config_from_llama(
     lambda_std_dev: float | None = None,
     differential_attention: str = "v1",
 ) -> DintConfig:
-    """The DINT config of a converted Llama-family model; checks that its heads can be paired.
+    """The DINT config of a converted Llama-family model; checks that its heads can be paired. v1: the source's
+    heads (doubled by `head_init="duplicate"`), a head norm with `"copy"`; v2: 2h query heads of the source's
+    head_dim over its KV heads (which divide h in any Llama-family config), no head norm, `lambda_gate` on.
 
     Raises:
         ValueError: an unsupported `model_type`, head counts that `head_init="copy"` cannot pair (odd
@@ -73,66 +92,56 @@ def dint_config_from_llama(
         raise ValueError(
             f"`differential_attention` must be one of {DIFFERENTIAL_ATTENTIONS}, got {differential_attention!r}."
         )
-    # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
-    attention_bias = True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False))
+    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
     if differential_attention == "v2":
-        return _v2_config_from_llama(source_config, integral, head_init, lambda_std_dev, attention_bias)
-    head_init = "copy" if head_init is None else head_init
-    if head_init not in HEAD_INITS:
-        raise ValueError(f"`head_init` must be one of {HEAD_INITS}, got {head_init!r}.")
-    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
-    if head_init == "copy" and (num_heads % 2 != 0 or num_kv_heads % 2 != 0):
-        raise ValueError(
-            f"Cannot pair the heads of this {model_type} checkpoint: num_attention_heads={num_heads}, "
-            f"num_key_value_heads={num_kv_heads}. DINT's differential heads pair softmax maps (head i with head "
-            f"i + H/2) and value heads (g with g + Hkv/2), so `head_init='copy'` needs both counts even. Use "
-            f"`head_init='duplicate'` (CLI: --head-init duplicate), which doubles every head and keeps the model's "
-            f"function exactly."
-        )
-    if head_init == "duplicate":
-        num_heads, num_kv_heads = 2 * num_heads, 2 * num_kv_heads
-    return DintConfig(
-        **shared_decoder_fields(source_config),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=attention_bias,
-        mlp_bias=bool(getattr(source_config, "mlp_bias", False)),
-        integral=integral,
-        lambda_init=None,
-        lambda_std_dev=0.1 if lambda_std_dev is None else lambda_std_dev,
-        head_norm=head_init == "copy",
-        head_norm_affine=True,
-        architectures=["DintForCausalLM"],
-    )
-
-
-def _v2_config_from_llama(
-    source_config: PreTrainedConfig, integral: str, head_init: str | None, lambda_std_dev: float | None,
-    attention_bias: bool,
-) -> DintConfig:
-    """`dint_config_from_llama` for `differential_attention="v2"`: 2h query heads of the source's head_dim over its
-    KV heads (which divide h in any Llama-family config), no head norm, `lambda_gate` on."""
-    for name, value in (("head_init", head_init), ("lambda_std_dev", lambda_std_dev)):
-        if value is not None:
+        for name, value in (("head_init", head_init), ("lambda_std_dev", lambda_std_dev)):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` ({value!r}) is for differential_attention='v1' (its head pairing and lambda vectors); "
+                    "the v2 conversion has one initialization: each query head twice, k/v/o_proj as they are, a new "
+                    "lambda_proj and the lambda gate at 0 (the source's function). Leave it unset."
+                )
+        layout = dict(differential_attention="v2", num_attention_heads=2 * num_heads, num_key_value_heads=num_kv_heads,
+                      lambda_gate=True)
+    else:
+        head_init = "copy" if head_init is None else head_init
+        if head_init not in HEAD_INITS:
+            raise ValueError(f"`head_init` must be one of {HEAD_INITS}, got {head_init!r}.")
+        if head_init == "copy" and (num_heads % 2 != 0 or num_kv_heads % 2 != 0):
             raise ValueError(
-                f"`{name}` ({value!r}) is for differential_attention='v1' (its head pairing and lambda vectors); "
-                "the v2 conversion has one initialization: each query head twice, k/v/o_proj as they are, a new "
-                "lambda_proj and the lambda gate at 0 (the source's function). Leave it unset."
+                f"Cannot pair the heads of this {model_type} checkpoint: num_attention_heads={num_heads}, "
+                f"num_key_value_heads={num_kv_heads}. DINT's differential heads pair softmax maps (head i with head "
+                f"i + H/2) and value heads (g with g + Hkv/2), so `head_init='copy'` needs both counts even. Use "
+                f"`head_init='duplicate'` (CLI: --head-init duplicate), which doubles every head and keeps the "
+                f"model's function exactly."
             )
-    num_heads, num_kv_heads, head_dim = attention_sizes(source_config)
+        copies = 2 if head_init == "duplicate" else 1
+        layout = dict(num_attention_heads=copies * num_heads, num_key_value_heads=copies * num_kv_heads,
+                      lambda_init=None, lambda_std_dev=0.1 if lambda_std_dev is None else lambda_std_dev,
+                      head_norm=head_init == "copy", head_norm_affine=True)
     return DintConfig(
         **shared_decoder_fields(source_config),
-        differential_attention="v2",
-        num_attention_heads=2 * num_heads,
-        num_key_value_heads=num_kv_heads,
+        **layout,
         head_dim=head_dim,
-        attention_bias=attention_bias,
+        # Qwen2 always has q/k/v biases (and no o_proj bias); Llama says so in `attention_bias`.
+        attention_bias=True if model_type == "qwen2" else bool(getattr(source_config, "attention_bias", False)),
         mlp_bias=bool(getattr(source_config, "mlp_bias", False)),
         integral=integral,
-        lambda_gate=True,
         architectures=["DintForCausalLM"],
     )
+
+
+def sliding_window_layers(source_config: PreTrainedConfig) -> list[int]:
+    """The layers of a Llama-family source that attend within a sliding window of `source_config.sliding_window`
+    tokens: none where `sliding_window` is None (Llama, Mistral from v0.2, Qwen2 without `use_sliding_window`);
+    for Qwen2 those whose `layer_types` entry is "sliding_attention"; for Mistral every layer."""
+    if getattr(source_config, "sliding_window", None) is None:
+        return []
+    typed = source_config.model_type in LAYER_TYPED_WINDOWS
+    layer_types = getattr(source_config, "layer_types", None) if typed else None
+    if layer_types is None:
+        return list(range(source_config.num_hidden_layers))
+    return [layer_idx for layer_idx, kind in enumerate(layer_types) if kind == "sliding_attention"]
 
 
 def initial_lambda_vectors(config: DintConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -193,6 +202,7 @@ def plan_llama_to_dint(
     lambda_std_dev: float | None = None,
     seed: int = 0,
     differential_attention: str = "v1",
+    accept_sliding_window_difference: bool = False,
 ) -> ConversionPlan:
     """Plans the conversion of a Llama-family causal LM to `DintForCausalLM`.
 
@@ -207,26 +217,55 @@ def plan_llama_to_dint(
         seed: seed of the new lambda vectors (v1) or of `lambda_proj` (v2).
         differential_attention: the converted model's head layout, `"v1"` or `"v2"` (DIFF V2's, at the source's KV
             cache and function: see the module docstring).
+        accept_sliding_window_difference: convert a source that attends within a sliding window
+            (`sliding_window_layers`) although DINT attends to the whole causal prefix: the converted model's
+            logits then equal the source's only up to the window's length. Without it such a source is refused.
+
+    Raises:
+        ValueError: what `dint_config_from_llama` refuses, and a sliding-window source without
+            `accept_sliding_window_difference`.
     """
     config = dint_config_from_llama(source_config, integral, head_init, lambda_std_dev, differential_attention)
-    notes = []
-    sliding_window = getattr(source_config, "sliding_window", None)
-    if sliding_window and getattr(source_config, "use_sliding_window", True):
-        notes.append(
-            f"The source uses sliding-window attention (window {sliding_window}); DINT attends to the whole causal "
-            f"prefix, so outputs differ for sequences longer than the window."
+    windowed = sliding_window_layers(source_config)
+    window = getattr(source_config, "sliding_window", None)
+    where = f"sliding_window={window} in {len(windowed)} of its {config.num_hidden_layers} layers"
+    if windowed and not accept_sliding_window_difference:
+        raise ValueError(
+            f"The source {source_config.model_type} attends within a sliding window ({where}); DINT attends to the "
+            f"whole causal prefix, so the converted model would equal the source only up to {window} tokens and "
+            "differ past them. Pass --accept-sliding-window-difference (accept_sliding_window_difference=True) to "
+            "convert anyway; a later version may carry the window."
         )
-    plan = ConversionPlan(config, DintForCausalLM, source, notes=notes)
+    keeps_function = differential_attention == "v2" or not config.head_norm  # v2, or v1's head_init="duplicate"
+    if not keeps_function:
+        outcome = NEW_FUNCTION
+    else:
+        outcome = SAME_FUNCTION_WITHIN_WINDOW if windowed else SAME_FUNCTION
+    plan = ConversionPlan(config, DintForCausalLM, source, outcome)
+    if windowed:
+        plan.notes.append(f"The source attends within a sliding window ({where}); the converted DINT attends to the "
+                          "whole causal prefix (accept_sliding_window_difference).")
     plan.copy_source_tensors(skip=lambda name: name.endswith(SKIPPED_SOURCE_SUFFIXES))
+    for layer_idx in range(config.num_hidden_layers):
+        bias_name = f"model.layers.{layer_idx}.self_attn.o_proj.bias"
+        if config.attention_bias and bias_name not in plan.tensors:  # Qwen2 has q/k/v biases and no o_proj bias
+            plan.constant(bias_name, torch.zeros(config.hidden_size))
     if differential_attention == "v2":
         plan_v2_attention(plan, seed)
-        return plan
+    else:
+        plan_v1_attention(plan, seed)
+    return plan
+
+
+def plan_v1_attention(plan: ConversionPlan, seed: int) -> None:
+    """The v1 attention tensors of `plan`, whose q/k/v/o_proj are the source's already: head norms of ones
+    (`head_init="copy"`, the config's head norm on), or each head doubled with lambda at 0 (`"duplicate"`); lambda
+    vectors drawn with a generator seeded by `seed`."""
+    config = plan.config
     head_init = "copy" if config.head_norm else "duplicate"
     lambda_vectors = initial_lambda_vectors(config, seed)
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."
-        if config.attention_bias and prefix + "o_proj.bias" not in plan.tensors:  # Qwen2 has no o_proj bias
-            plan.constant(prefix + "o_proj.bias", torch.zeros(config.hidden_size))
         if config.head_norm and config.head_norm_affine:
             plan.constant(prefix + "head_norm.weight", torch.ones(2 * config.head_dim))
         lambdas = [lambda_vectors[prefix + name] for name in LAMBDA_NAMES]
@@ -241,17 +280,15 @@ def plan_llama_to_dint(
                         head_dim=config.head_dim)
         for name, value in zip(LAMBDA_NAMES, lambdas):
             plan.constant(prefix + name, value)
-    notes.append(
+    plan.notes.append(
         f"head_init={head_init!r}: {config.num_attention_heads} softmax maps ({config.num_attention_heads // 2} "
         f"differential heads), {config.num_key_value_heads} key/value heads, head_norm={config.head_norm}."
     )
-    return plan
 
 
 def plan_v2_attention(plan: ConversionPlan, seed: int) -> None:
-    """The v2 attention tensors of `plan`, whose k/v/o_proj are the source's already: each query head twice, a zero
-    o_proj bias where the target has a bias and the source none (Qwen2), `lambda_proj` from normal(0,
-    initializer_range) with a generator seeded by `seed`, and the lambda gates at 0."""
+    """The v2 attention tensors of `plan`, whose k/v/o_proj are the source's already: each query head twice,
+    `lambda_proj` from normal(0, initializer_range) with a generator seeded by `seed`, and the lambda gates at 0."""
     config = plan.config
     num_heads = config.num_differential_heads
     generator = torch.Generator().manual_seed(seed)
@@ -261,15 +298,13 @@ def plan_v2_attention(plan: ConversionPlan, seed: int) -> None:
             name = f"{prefix}q_proj.{kind}"
             if name in plan.tensors:
                 plan.derive(name, paired_query_heads, name, head_dim=config.head_dim)
-        if config.attention_bias and prefix + "o_proj.bias" not in plan.tensors:
-            plan.constant(prefix + "o_proj.bias", torch.zeros(config.hidden_size))
         lambda_proj = torch.randn(num_heads, config.hidden_size, generator=generator) * config.initializer_range
         plan.constant(prefix + "lambda_proj.weight", lambda_proj)
         plan.constant(prefix + "lambda_gate.weight", torch.zeros(num_heads))
     plan.notes.append(
         f"differential_attention='v2': {config.num_attention_heads} query heads ({num_heads} differential heads, "
         f"each source query head twice), {config.num_key_value_heads} key/value heads (the source's KV cache), "
-        "lambda gates at 0: the source's function."
+        "lambda gates at 0."
     )
 
 

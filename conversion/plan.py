@@ -1,7 +1,7 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """The result of a converter: the target config and, per target tensor, a recipe that computes it from the source.
 
-Every converter builds its plan the same way: `ConversionPlan(config, model_class, source)`, then
+Every converter builds its plan the same way: `ConversionPlan(config, model_class, source, outcome)`, then
 `copy_source_tensors()` for everything it keeps under the same name, and `copy`, `derive` and `constant` for what
 it changes or adds. A new source format is one more such planner.
 """
@@ -33,6 +33,11 @@ DECODER_FIELDS = (
 )
 """Config fields that DINT, DiffLlama and Llama share unchanged (sizes, norms, tokens); see `shared_decoder_fields`."""
 
+SAME_LOGITS = "logits equal the source's"
+INTEGRAL_ADDED = "the source's logits plus the integral term (`--integral none` gives the source's)"
+"""`ConversionPlan.outcome` of a converter whose target computes the source's function with `integral="none"`
+(DiffLlama, Microsoft's layouts) and adds the integral term to it in the other modes; see `integral_outcome`."""
+
 HEAD_LAYOUT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias")
 """Config fields of the attention heads, which DINT and DiffLlama share and a Llama-family conversion changes."""
 
@@ -60,14 +65,17 @@ class ConversionPlan:
         config: the target config (`DintConfig`, or `DiffLlamaConfig` for DINT -> DiffLlama).
         model_class: the target model class, e.g. `DintForCausalLM`; the writer checks names and shapes against it.
         source: the source tensors, a mapping name -> tensor (a state dict or a `CheckpointReader`).
+        outcome: what the converted model computes against the source, in a few words (e.g. "logits equal the
+            source's"): the CLI's last line, and the "exact?" column of docs/conversion.md's table.
         tensors: target tensor name -> its `TensorRecipe` (computed lazily, one at a time, so a large checkpoint
             never has to fit in memory twice). Filled with the recipe methods below.
-        notes: human-readable remarks about the conversion (printed by the CLI).
+        notes: human-readable remarks about the conversion (logged by `convert_checkpoint`).
     """
 
     config: PreTrainedConfig
     model_class: type[PreTrainedModel]
     source: Mapping[str, torch.Tensor]
+    outcome: str
     tensors: dict[str, TensorRecipe] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -113,6 +121,11 @@ def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
 
 def _copy_of(value: torch.Tensor) -> torch.Tensor:
     return value.clone()
+
+
+def integral_outcome(integral: str) -> str:
+    """The outcome of a converter whose target is the source's function plus the integral term (`INTEGRAL_ADDED`)."""
+    return SAME_LOGITS if integral == "none" else INTEGRAL_ADDED
 
 
 def attention_sizes(config: PreTrainedConfig) -> tuple[int, int, int]:

@@ -31,7 +31,7 @@ import torch
 
 from modeling_dint import DintConfig, DintForCausalLM
 
-from .plan import LAMBDA_NAMES, ConversionPlan
+from .plan import LAMBDA_NAMES, ConversionPlan, integral_outcome
 
 
 ROTARY_LAYOUTS = ("interleaved", "half")
@@ -106,26 +106,14 @@ def plan_reference_diff_to_dint(
         integral: the DINT model's integral mode; `"none"` reproduces the reference outputs.
         rotary: `"interleaved"` (the reference code) or `"half"` (no channel permutation).
     """
-    if rotary not in ROTARY_LAYOUTS:
-        raise ValueError(f"`rotary` must be one of {ROTARY_LAYOUTS}, got {rotary!r}.")
-    head_dim = reference_config.head_dim
     num_heads = reference_config.num_attention_heads // 2
     num_kv_heads = reference_config.num_key_value_heads // 2
     dint_num_kv_heads, query_sources, key_sources, value_sources = reference_head_mapping(num_heads, num_kv_heads)
-    config = DintConfig(
-        **{
-            **reference_config.to_dict(),
-            "num_key_value_heads": dint_num_kv_heads,
-            "integral": integral,
-            "head_norm": True,
-            "head_norm_affine": True,
-            "attention_bias": False,
-            "architectures": ["DintForCausalLM"],
-        }
+    plan, channel_order = reference_plan(
+        source, reference_config, integral, rotary,
+        num_key_value_heads=dint_num_kv_heads, head_norm=True, head_norm_affine=True,
     )
-    channel_order = interleaved_to_half_permutation(head_dim) if rotary == "interleaved" else torch.arange(head_dim)
-    plan = ConversionPlan(config, DintForCausalLM, source)
-    plan.copy_source_tensors(skip=lambda name: ".self_attn." in name)  # attention is mapped layer by layer below
+    config, head_dim = plan.config, plan.config.head_dim
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."
         missing = [prefix + n for n in REFERENCE_ATTENTION_NAMES if prefix + n not in source]
@@ -152,6 +140,30 @@ def plan_reference_diff_to_dint(
            if dint_num_kv_heads > 2 * num_kv_heads else " (a pure permutation).")
     )
     return plan
+
+
+def reference_plan(
+    source, reference_config: DintConfig, integral: str, rotary: str, **overrides
+) -> tuple[ConversionPlan, torch.Tensor]:
+    """Where the planners of both Microsoft formats start (this one and `reference_v2.py`'s).
+
+    Returns:
+        `(plan, channel_order)`: the plan of a `DintForCausalLM` whose config is the reference model's fields with
+        `integral`, no attention bias and `overrides`, holding every tensor outside attention (attention is each
+        planner's, layer by layer); and the channel order `[head_dim]` that every query and key head gets for
+        `rotary` (`interleaved_to_half_permutation`, or none for `"half"`).
+    """
+    if rotary not in ROTARY_LAYOUTS:
+        raise ValueError(f"`rotary` must be one of {ROTARY_LAYOUTS}, got {rotary!r}.")
+    config = DintConfig(**{
+        **reference_config.to_dict(), "integral": integral, "attention_bias": False,
+        "architectures": ["DintForCausalLM"], **overrides,
+    })
+    head_dim = config.head_dim
+    channel_order = interleaved_to_half_permutation(head_dim) if rotary == "interleaved" else torch.arange(head_dim)
+    plan = ConversionPlan(config, DintForCausalLM, source, integral_outcome(integral))
+    plan.copy_source_tensors(skip=lambda name: ".self_attn." in name)
+    return plan, channel_order
 
 
 def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:

@@ -24,12 +24,10 @@ Checkpoint layout this converter reads: everything outside attention under Llama
 `hidden_size / h`, as Microsoft's sizing), `rope_parameters` with the model's theta.
 """
 
-import torch
-
-from modeling_dint import DintConfig, DintForCausalLM
+from modeling_dint import DintConfig
 
 from .plan import ConversionPlan
-from .reference import ROTARY_LAYOUTS, gathered_heads, interleaved_to_half_permutation
+from .reference import gathered_heads, reference_plan
 
 
 REFERENCE_V2_ATTENTION_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "lambda_proj.weight")
@@ -58,26 +56,13 @@ def plan_reference_diff_v2_to_dint(
         ValueError: a `rotary` not in `ROTARY_LAYOUTS`, a config that is not v2, or a layer whose attention tensors
             are missing, ambiguous (both `o_proj` and `out_proj`) or unknown (a bias, a norm), named.
     """
-    if rotary not in ROTARY_LAYOUTS:
-        raise ValueError(f"`rotary` must be one of {ROTARY_LAYOUTS}, got {rotary!r}.")
     if reference_config.differential_attention != "v2":
         raise ValueError(
             "A DIFF V2 (reference-diff-v2) checkpoint has DIFF V2's head layout: its config must have "
             f"differential_attention='v2' (or leave it out), got {reference_config.differential_attention!r}."
         )
-    head_dim = reference_config.head_dim
-    config = DintConfig(
-        **{
-            **reference_config.to_dict(),
-            "integral": integral,
-            "attention_bias": False,
-            "lambda_gate": False,
-            "architectures": ["DintForCausalLM"],
-        }
-    )
-    channel_order = interleaved_to_half_permutation(head_dim) if rotary == "interleaved" else torch.arange(head_dim)
-    plan = ConversionPlan(config, DintForCausalLM, source)
-    plan.copy_source_tensors(skip=lambda name: ".self_attn." in name)  # attention is mapped layer by layer below
+    plan, channel_order = reference_plan(source, reference_config, integral, rotary, lambda_gate=False)
+    config, head_dim = plan.config, plan.config.head_dim
     query_heads, key_heads = range(config.num_attention_heads), range(config.num_key_value_heads)
     for layer_idx in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer_idx}.self_attn."

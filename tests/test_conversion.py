@@ -32,6 +32,7 @@ from modeling_dint.conversion import (
     CheckpointReader,
     convert_checkpoint,
     interleaved_to_half_permutation,
+    plan_conversion,
     plan_dint_to_diffllama,
     plan_llama_to_dint,
     plan_reference_diff_to_dint,
@@ -174,6 +175,99 @@ def test_llama_duplicate_trains_lambda_away_from_zero(tmp_path):
     attention = dint.model.layers[0].self_attn
     for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         assert getattr(attention, name).grad.abs().sum() > 0, name
+
+
+SLIDING_WINDOW = 4
+SLIDING_SOURCES = [  # Mistral's window holds in every layer; Qwen2's in the layers its layer_types marks (layer 1 here)
+    pytest.param(MistralForCausalLM, MistralConfig, {"sliding_window": SLIDING_WINDOW}, id="mistral"),
+    pytest.param(Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": SLIDING_WINDOW,
+                                                 "max_window_layers": 1}, id="qwen2-layer-types"),
+]
+
+
+@pytest.mark.parametrize("layout", [["--head-init", "duplicate"], ["--differential-attention", "v2"]],
+                         ids=["v1-duplicate", "v2"])
+@pytest.mark.parametrize("model_class,config_class,extra", SLIDING_SOURCES)
+def test_sliding_window_source_is_refused_unless_the_difference_is_accepted(
+    tmp_path, capsys, model_class, config_class, extra, layout
+):
+    source = make_model(model_class, config_class, **extra)
+    source.save_pretrained(tmp_path / "source")
+    arguments = [str(tmp_path / "source"), str(tmp_path / "dint"), *layout, "--quiet"]
+    capsys.readouterr()
+    assert dint_convert(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"attends within a sliding window (sliding_window={SLIDING_WINDOW} in" in error
+    assert "Pass --accept-sliding-window-difference" in error
+    assert not (tmp_path / "dint").exists()
+
+    assert dint_convert([*arguments, "--accept-sliding-window-difference"]) == 0
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    assert last_line.endswith(": logits equal the source's up to the sliding window's length, every integral mode, "
+                              "and differ past it.")
+    assert "the source's function" not in last_line
+    assert last_line.split(": ", 1)[1].removesuffix(".") in docs_outcome("Mistral or Qwen2 with a sliding window")
+    # What the line says: equal logits on the window's first positions, different ones past it.
+    ids = input_ids(length=3 * SLIDING_WINDOW)
+    difference = (logits_of(load_dint(tmp_path / "dint"), ids) - logits_of(source, ids)).abs().amax(dim=(0, 2))
+    assert difference[:SLIDING_WINDOW].max() < 1e-5
+    assert difference[SLIDING_WINDOW:].min() > 1e-3
+
+
+def test_sliding_window_copy_is_refused_and_sources_without_a_window_convert():
+    windowed = make_model(MistralForCausalLM, MistralConfig, sliding_window=SLIDING_WINDOW)
+    with pytest.raises(ValueError, match="sliding_window=4 in 2 of its 2 layers.*--accept-sliding-window-difference"):
+        plan_llama_to_dint(windowed.state_dict(), windowed.config)
+    accepted = plan_llama_to_dint(windowed.state_dict(), windowed.config, accept_sliding_window_difference=True)
+    assert accepted.outcome == "not the source's function: same weights, DINT attention; continue training"
+    assert any("sliding window (sliding_window=4" in note for note in accepted.notes)
+    for config_class, model_class, extra in [
+        (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+        (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "max_window_layers": 2}),  # no sliding layer
+        (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False, "sliding_window": SLIDING_WINDOW}),
+    ]:
+        source = make_model(model_class, config_class, **extra)
+        plan = plan_llama_to_dint(source.state_dict(), source.config, head_init="duplicate")
+        assert plan.outcome == "logits equal the source's, every integral mode"
+        assert not any("sliding window" in note for note in plan.notes)
+
+
+def docs_outcome(row_start: str) -> str:
+    """The "exact?" cell of the row of docs/conversion.md's table whose source cell starts with `row_start`."""
+    table = (REPO_ROOT / "docs" / "conversion.md").read_text().split("| source | how | exact?")[1].split("\n\n")[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    (cells,) = [cells for cells in rows if cells[0].removeprefix("| ").startswith(row_start)]
+    return cells[-1]
+
+
+def save_diffllama(folder: Path) -> Path:
+    make_model(DiffLlamaForCausalLM, DiffLlamaConfig).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "row_start,save_source,options",
+    [
+        ("Llama, Mistral, Qwen2", lambda folder: make_model(LlamaForCausalLM, LlamaConfig).save_pretrained(folder), {}),
+        ("same, `--head-init duplicate`", lambda folder: make_model(MistralForCausalLM, MistralConfig,
+         sliding_window=None).save_pretrained(folder), {"head_init": "duplicate"}),
+        ("same, `--differential-attention v2`", lambda folder: make_model(Qwen2ForCausalLM, Qwen2Config)
+         .save_pretrained(folder), {"differential_attention": "v2"}),
+        ("DiffLlama", save_diffllama, {"integral": "none"}),
+        ("DiffLlama", save_diffllama, {"integral": "mean"}),
+        ("DINT with `integral=\"none\"` -> DiffLlama", lambda folder: DintForCausalLM(DintConfig(
+         **TINY, integral="none")).save_pretrained(folder), {}),
+    ],
+    ids=["llama-copy", "mistral-duplicate", "qwen2-v2", "diffllama-none", "diffllama-mean", "dint-to-diffllama"],
+)
+def test_docs_table_says_what_the_converter_says(tmp_path, row_start, save_source, options):
+    save_source(tmp_path / "source")
+    outcome = plan_conversion(tmp_path / "source", **options).outcome  # the CLI's last line, after "Wrote ...: "
+    assert outcome in docs_outcome(row_start)
+    if options.get("integral") == "mean":
+        assert outcome == "the source's logits plus the integral term (`--integral none` gives the source's)"
+    elif row_start != "Llama, Mistral, Qwen2":
+        assert outcome.startswith("logits equal the source's")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -348,7 +442,10 @@ def test_reference_diff_transformer_to_dint_gives_reference_outputs(
     source_dir.mkdir()
     reference_config.save_pretrained(source_dir)
     torch.save(state, source_dir / "pytorch_model.bin")
-    convert_checkpoint(source_dir, tmp_path / "dint", source_format="reference-diff", integral="none", progress=False)
+    plan = convert_checkpoint(source_dir, tmp_path / "dint", source_format="reference-diff", integral="none",
+                              progress=False)
+    assert plan.outcome == "logits equal the source's"
+    assert plan.outcome in docs_outcome("Microsoft's reference Diff-Transformer")
     dint = load_dint(tmp_path / "dint")
 
     assert dint.config.num_attention_heads == 2 * num_heads

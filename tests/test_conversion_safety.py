@@ -294,6 +294,11 @@ def cli_case(case: str, root: Path) -> tuple[list[str], str] | None:
         save_llama(source)
         (root / "out").mkdir()
         return [str(source), str(root / "out")], "already exists"
+    if case in ("output-is-a-file", "output-is-a-file-with-force"):  # a file is never replaced, not even with --force
+        save_llama(source)
+        (root / "afile").write_text("mine")
+        force = ["--force"] if case.endswith("with-force") else []
+        return [str(source), str(root / "afile"), *force], "afile' is a file, not a folder: choose a folder path"
     if case == "output-is-source":
         save_llama(source)
         return [str(source), str(source), "--force"], "is the source checkpoint"
@@ -344,6 +349,8 @@ CLI_FAILURES = [
     "unsupported-architecture",
     "unpairable-heads",
     "existing-output",
+    "output-is-a-file",
+    "output-is-a-file-with-force",
     "output-is-source",
     "output-contains-source",
     "output-inside-source",

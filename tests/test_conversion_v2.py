@@ -12,7 +12,7 @@ import peft
 import pytest
 import torch
 from test_conversion import TINY, TOKENIZER_DIR, chat_prompt, input_ids, load_dint, logits_of, make_model
-from test_conversion import decoder_forward, reference_rope_interleaved, smollm2_llama_dir
+from test_conversion import decoder_forward, docs_outcome, reference_rope_interleaved, smollm2_llama_dir
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -356,8 +356,9 @@ def save_reference_v2(directory, config, state):
 def test_diff_v2_to_dint_v2_gives_microsofts_outputs(tmp_path, num_heads, num_kv_heads, head_dim, output_name, rotary):
     config, state = make_reference_v2_model(num_heads, num_kv_heads, head_dim, output_name)
     save_reference_v2(tmp_path / "diff-v2", config, state)
-    convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint", source_format="reference-diff-v2", integral="none",
-                       rotary=rotary, progress=False)
+    plan = convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint", source_format="reference-diff-v2",
+                              integral="none", rotary=rotary, progress=False)
+    assert plan.outcome == "logits equal the source's" and plan.outcome in docs_outcome("Microsoft's DIFF V2")
     dint = load_dint(tmp_path / "dint")
     assert dint.config.differential_attention == "v2" and dint.config.lambda_gate is False
     assert (dint.config.num_attention_heads, dint.config.num_key_value_heads, dint.config.head_dim) == (
@@ -368,8 +369,10 @@ def test_diff_v2_to_dint_v2_gives_microsofts_outputs(tmp_path, num_heads, num_kv
     torch.testing.assert_close(logits_of(dint, ids), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
     # The same checkpoint with the integral: a different function (the integral term acts), rows still run.
-    convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint-mean", source_format="reference-diff-v2",
-                       rotary=rotary, progress=False)
+    plan = convert_checkpoint(tmp_path / "diff-v2", tmp_path / "dint-mean", source_format="reference-diff-v2",
+                              rotary=rotary, progress=False)
+    assert plan.outcome.startswith("the source's logits plus the integral term")
+    assert plan.outcome in docs_outcome("Microsoft's DIFF V2")
     assert (logits_of(load_dint(tmp_path / "dint-mean"), ids) - expected).abs().max() > 1e-3
 
 
@@ -391,6 +394,24 @@ def test_diff_v2_converter_refuses_what_is_not_the_module(tmp_path):
     with pytest.raises(ValueError, match=r"Invalid config .*must divide num_attention_heads / 2 = 3"):
         convert_checkpoint(tmp_path / "uneven", tmp_path / "out", source_format="reference-diff-v2", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_diff_v2_checkpoint_saying_model_type_dint_is_pointed_to_its_source_format(tmp_path, capsys):
+    config, state = make_reference_v2_model(2, 2, 16)
+    save_reference_v2(tmp_path / "diff-v2", config, state)
+    assert json.loads((tmp_path / "diff-v2" / "config.json").read_text())["model_type"] == "dint"
+    arguments = [str(tmp_path / "diff-v2"), str(tmp_path / "dint"), "--quiet"]
+    capsys.readouterr()
+    assert dint_convert(arguments) == 2  # auto-detected as DINT -> DiffLlama, which v2 cannot be
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "differential_attention='v2' to DiffLlama" in error
+    assert "converts to DINT-V2 with --source-format reference-diff-v2" in error
+    assert not (tmp_path / "dint").exists()
+    assert dint_convert([*arguments, "--source-format", "reference-diff-v2", "--integral", "none"]) == 0  # the advice
+    ids = input_ids()
+    expected = reference_v2_forward(state, ids, 2, 2, 16)
+    torch.testing.assert_close(logits_of(load_dint(tmp_path / "dint"), ids), expected, rtol=0,
+                               atol=1e-5 * expected.abs().max().item())
 
 
 # --------------------------------------------------------------------------------------------------------------------
