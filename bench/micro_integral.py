@@ -38,14 +38,25 @@ def tails(batch_size, rows, heads, channels, dtype):
     from transformers.models.diffllama.modeling_diffllama import DiffLlamaRMSNorm
 
     import modeling_dint.integral_cpu_kernel as kernel_module
-    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout
+    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout, plan_integral
     from modeling_dint.modeling_dint import DintHeadRMSNorm
 
     generator = torch.Generator().manual_seed(0)
     attention_output = torch.randn(batch_size, rows, 2 * heads, channels, generator=generator).to(dtype)
     signal_output, noise_output = attention_output.chunk(2, dim=2)
     lambda_ = torch.tensor(0.37)
-    layout = DintIntegralLayout.build(None, None, None, batch_size, rows, "cpu", False)
+
+    def planned(kernel_variable: str) -> DintIntegralLayout:  # the plan a forward makes with DINT_INTEGRAL_KERNEL
+        layout = DintIntegralLayout.build(None, None, None, batch_size, rows, "cpu", False)
+        saved = os.environ.get("DINT_INTEGRAL_KERNEL")
+        os.environ["DINT_INTEGRAL_KERNEL"] = kernel_variable
+        try:
+            with torch.no_grad():
+                return plan_integral(layout, None, torch.device("cpu"), dtype, signal_output.numel(), False, False)
+        finally:
+            os.environ.pop("DINT_INTEGRAL_KERNEL") if saved is None else os.environ.update(DINT_INTEGRAL_KERNEL=saved)
+
+    kernel_layout, eager_layout = planned("auto"), planned("eager")
     integral = DintIntegral("mean", 0)
     head_norm = DintHeadRMSNorm(channels, eps=1e-5).to(dtype)
     group_norm = DiffLlamaRMSNorm(channels, eps=1e-5).to(dtype)
@@ -54,14 +65,10 @@ def tails(batch_size, rows, heads, channels, dtype):
         raise SystemExit("the fused CPU integral kernel is not built here (see the warning above)")
 
     def dint_kernel():
-        return integral(signal_output, noise_output, lambda_, layout, None, head_norm)
+        return integral(signal_output, noise_output, lambda_, kernel_layout, head_norm)
 
     def dint_eager():
-        kernel_module._state["op"] = None
-        try:
-            return integral(signal_output, noise_output, lambda_, layout, None, head_norm)
-        finally:
-            kernel_module._state["op"] = kernel
+        return integral(signal_output, noise_output, lambda_, eager_layout, head_norm)
 
     def diffllama():  # transformers' DiffLlamaAttention after its two attention calls
         lambda_full = lambda_.to(dtype)
@@ -118,9 +125,9 @@ def rows_last_cumsum(rows):
 
 def blocked_running_sum(rows):
     """The package's CPU path alone: blocks of `SCAN_BLOCK_ROWS` rows summed by a lower-triangular matrix."""
-    from modeling_dint.integral_dint import _blocked_running_sum
+    from modeling_dint.integral_cpu_kernel import blocked_running_sum as package_blocked_running_sum
 
-    return _blocked_running_sum(rows, None)
+    return package_blocked_running_sum(rows, None)
 
 
 _LAYOUTS = {}
