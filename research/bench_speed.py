@@ -240,7 +240,7 @@ def step_flops(kind: str, before, args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=12)

@@ -386,7 +386,7 @@ def main_lm(args, settings: Settings, out: Path, log) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=("needle", "lm"), default="needle")
     parser.add_argument("--hidden", type=int, default=64, choices=(64, 128))
     parser.add_argument("--kinds", nargs="+", default=list(COMPARISON))

@@ -38,7 +38,7 @@ def two_query_batch(generator: torch.Generator, batch_size: int, context: int, n
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", nargs="+", default=["diff", "dint"])
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()

@@ -20,7 +20,7 @@ from settings import ABLATIONS, ARCHITECTURES, CONTROLS, Settings  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", help=f"one of {ARCHITECTURES + CONTROLS + tuple(ABLATIONS)}")
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--steps", type=int, default=15_000)

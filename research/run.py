@@ -67,7 +67,7 @@ DRY_RUN_OUT = Path("outputs") / "research-dry-run"
 
 def parse_arguments(argv=None) -> tuple[argparse.Namespace, Settings]:
     """The command line, and the settings of the preset it names with its overrides applied."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: the whole pipeline in < 3 minutes")
     parser.add_argument("--gpu", action="store_true",
                         help="the preset for one large GPU (hidden 128/256, 10^4+ steps; implies --device cuda)")
