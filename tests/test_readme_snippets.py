@@ -3,10 +3,10 @@
 The blocks of one file run in order, in one fresh Python process, in a scratch folder that holds a link to the repo's
 `examples/` (so `examples/data/tokenizer` resolves as it does in a clone): like a user pasting them one after the
 other, so a later block may use the names an earlier one defined. A docs/ page continues from the README's quick start
-(its examples use the quick start's `model`, `tokenizer` and the folder `my-dint`, as the page says at its top), so
-its blocks run after that one block, `quick_start()`, in the same process, as a user who ran the quick start first
-would run them. examples/*.md stand alone. A block that cannot run in the default suite says why in an HTML comment on
-the line right before it, which this test reads:
+(its examples use the quick start's `model`, `tokenizer` and the folder `outputs/my-dint`, as the page says at its
+top), so its blocks run after that one block, `quick_start()`, in the same process, as a user who ran the quick start
+first would run them. examples/*.md stand alone. A block that cannot run in the default suite says why in an HTML
+comment on the line right before it, which this test reads:
 
     <!-- snippet: slow -->              runs in the slow suite only (`pytest tests -m slow`): over ~10 s here
     <!-- snippet: gpu -->               needs a CUDA device: runs where there is one (skipped with the reason otherwise)
@@ -18,6 +18,8 @@ the line right before it, which this test reads:
                                         and runs this test again), and is listed as not run elsewhere
 
 A block without a comment runs in the default suite. An unknown kind fails the test, so a typo cannot hide a block.
+What the blocks write must go under `outputs/` (which .gitignore covers): a file or folder they leave anywhere else in
+the scratch folder fails the test, as it would litter a clone's root.
 """
 
 import importlib.util
@@ -150,7 +152,7 @@ def test_every_marker_is_known_and_every_document_has_runnable_blocks():
         marker_lines = sum(bool(MARKER.match(line.strip())) for line in text.splitlines())
         assert marker_lines == sum(s.kind != "default" for s in snippets), path.name
     assert any(s.kind == "default" for s in python_snippets(README))
-    assert quick_start().kind == "default" and "my-dint" in quick_start().code
+    assert quick_start().kind == "default" and "outputs/my-dint" in quick_start().code
 
 
 def snippet_cases():
@@ -182,6 +184,10 @@ def test_python_blocks_run_as_written(path, mode, tmp_path):
         f"{failed[1] if failed else 'the snippet runner'} failed ({mode} mode):\n{output[-8000:]}"
     )
     assert result.stdout.count("=== ok in") == len(selected)
+    # what the blocks write goes under outputs/ (ignored by git), never loose into the clone's root
+    runner_files = {"examples", "snippets.json"} | {f"snippet_{s.line}.py" for s in selected if s.kind == "torchrun"}
+    left = sorted(entry.name for entry in tmp_path.iterdir() if entry.name not in runner_files | {"outputs"})
+    assert not left, f"{path.name}'s blocks wrote {left} outside outputs/"
     not_run = [f"{s.label} ({s.kind} {s.detail})".strip() for s in snippets if not s.runs_in(mode)]
     if not_run:
         print(f"{mode} mode did not run: {not_run}")

@@ -1,4 +1,4 @@
-"""The research harness in examples/research/ (run.py and its modules): its synthetic needle task, its equal-size
+"""The research harness in research/ (run.py and its modules): its synthetic needle task, its equal-size
 models, its convergence rule and statistics, the determinism of a job, and (slow) the whole --quick pipeline down to a
 complete report with finite numbers."""
 
@@ -15,7 +15,7 @@ import torch
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESEARCH_DIR = REPO_ROOT / "examples" / "research"
+RESEARCH_DIR = REPO_ROOT / "research"
 
 
 # The harness's modules, imported by name from their folder (not from a file spec) so that the spawned worker processes
@@ -492,7 +492,7 @@ def test_long_pilot_writes_one_pilot_record(tmp_path):
     record = json.loads(out.read_text())
     assert (record["kind"], record["phase"], record["seed"], record["steps"]) == ("dint", "pilot", 7, 4)
     assert record["eval_steps"] == [2, 4] and len(record["validation_accuracy"]) == 2
-    assert record["command"].startswith("python examples/research/long_pilot.py dint")
+    assert record["command"].startswith("python research/long_pilot.py dint")
 
 
 def test_language_modelling_comparison_runs_to_its_summary(tmp_path, capsys):
