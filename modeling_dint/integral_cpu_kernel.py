@@ -22,16 +22,18 @@ The op is an inference kernel: `DintIntegral` takes it on CPU for fp32 and bf16 
 torch.compile and export, where the head norm has no hooks, and where nobody needs the running sum of every row (a
 cache recording its past for `crop`); a packed-request cache takes it where it has `integral_state_table`. Everywhere
 else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
-Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is
-cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
-hashes the source, the torch release and the CPU (it is compiled with `-march=native`), so a shared home folder never
-hands one CPU another's build; the op's namespace hashes the source, so two versions of this file (the package and a
+Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` (or `false`, `off`, `no`)
+turns it off, read at every call (`cpu_kernel_enabled`). The first build (tens of seconds) says so at the default log
+level, and where it caches. The build is cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`) under a name that hashes the source, the torch release and the CPU (it is compiled with
+`-march=native`), so a shared home folder never hands one CPU another's build; the op's namespace hashes the source, so two versions of this file (the package and a
 checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
 later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
 
+import functools
 import hashlib
 import os
 import platform
@@ -372,9 +374,33 @@ _lock = threading.Lock()
 _state = {"op": None, "tried": False}
 
 
-def kernel_enabled() -> bool:
-    """Whether the kernel may be used: `DINT_CPU_KERNEL` unset or not "0" (read when the kernel is first wanted)."""
-    return os.environ.get("DINT_CPU_KERNEL", "1") != "0"
+CPU_KERNEL_VARIABLE = "DINT_CPU_KERNEL"
+"""The environment variable that turns the kernel off (`cpu_kernel_enabled`)."""
+
+SWITCH_SPELLINGS = {
+    "1": True, "true": True, "on": True, "yes": True,
+    "0": False, "false": False, "off": False, "no": False,
+}
+"""The values `DINT_CPU_KERNEL` takes, compared without case and surrounding spaces."""
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_cpu_kernel_switch(raw: str) -> bool:
+    value = SWITCH_SPELLINGS.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(
+            f"{CPU_KERNEL_VARIABLE}={raw!r} is not a switch. Allowed (any case): {', '.join(SWITCH_SPELLINGS)}; "
+            "unset or empty: on."
+        )
+    return value
+
+
+def cpu_kernel_enabled() -> bool:
+    """Whether the kernel may be used: `DINT_CPU_KERNEL` unset, empty or one of `SWITCH_SPELLINGS`' true spellings;
+    a value that is no spelling is refused. Read at every call, so that a test or benchmark can change it between
+    forwards; each distinct raw value is parsed once (a dictionary lookup after that)."""
+    raw = os.environ.get(CPU_KERNEL_VARIABLE)
+    return True if not raw else _parse_cpu_kernel_switch(raw)
 
 
 def _cpu_signature() -> str:
@@ -398,16 +424,17 @@ def extension_name() -> str:
 
 
 def integral_kernel():
-    """`torch.ops.<NAMESPACE>.integral_forward`, built (or loaded from the cache) on the first call of the process, or
-    None where it is turned off or cannot be built (warned once)."""
+    """`torch.ops.<NAMESPACE>.integral_forward`, built (or loaded from the cache) on the first call of the process
+    where it is enabled, or None where `DINT_CPU_KERNEL` turns it off now (`cpu_kernel_enabled`) or it cannot be built
+    (warned once)."""
+    if not cpu_kernel_enabled():
+        return None
     if _state["tried"]:
         return _state["op"]
     with _lock:
-        if _state["tried"]:
-            return _state["op"]
-        if kernel_enabled():
+        if not _state["tried"]:
             _state["op"] = _build()
-        _state["tried"] = True
+            _state["tried"] = True
     return _state["op"]
 
 
@@ -425,11 +452,29 @@ def _build():
     return _compile()
 
 
+def build_folder(name: str) -> str:
+    """Where torch builds and caches the extension `name` (created if missing): `TORCH_EXTENSIONS_DIR/name`, by
+    default `~/.cache/torch_extensions/<python>_<accelerator>/name`, as torch's `load_inline` computes it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def build_message(name: str) -> str | None:
+    """What the user is told before the extension `name` is compiled, or None where its cached build is there to load
+    (the library torch writes, `<folder>/<name>.so`): a first build takes tens of seconds."""
+    folder = build_folder(name)
+    if os.path.exists(os.path.join(folder, f"{name}.so")):
+        return None
+    return (
+        f"DINT: building the fused CPU integral kernel, once per machine and torch release (a minute or so), in "
+        f"{folder}; later processes load it from there. {CPU_KERNEL_VARIABLE}=0 skips it (the eager ops run)."
+    )
+
+
 def _remove_stale_lock(name: str) -> None:
     """Removes torch's build lock of `name` where a killed build left it (older than `STALE_LOCK_SECONDS`)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    lock = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name, "lock")
+    lock = os.path.join(build_folder(name), "lock")
     try:
         age = time.time() - os.path.getmtime(lock)
     except OSError:
@@ -449,7 +494,9 @@ def _compile():
 
         name = extension_name()
         _remove_stale_lock(name)
-        logger.info("DINT: building the fused CPU integral kernel (once per machine; DINT_CPU_KERNEL=0 skips it)")
+        message = build_message(name)
+        if message is not None:
+            logger.warning(message)
         load_inline(
             name,
             cpp_sources=[KERNEL_SOURCE],
@@ -457,6 +504,7 @@ def _compile():
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        return getattr(torch.ops, NAMESPACE).integral_forward
     except Exception as error:  # no compiler, no ninja, an unusual toolchain: the eager ops are exact too
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
         logger.warning_once(
@@ -465,4 +513,3 @@ def _compile():
             "DINT_CPU_KERNEL=0 silences this."
         )
         return None
-    return getattr(torch.ops, NAMESPACE).integral_forward
