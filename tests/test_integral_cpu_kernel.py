@@ -301,7 +301,7 @@ def test_a_real_first_build_prints_the_message_once(tmp_path):
     environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     environment.pop("DINT_CPU_KERNEL", None)
     runs = [subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
-                           timeout=600) for _ in range(2)]
+                           timeout=1800) for _ in range(2)]
     assert [run.returncode for run in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     name = kernel_module.extension_name()
     assert runs[0].stderr.count("DINT: building the fused CPU integral kernel") == 1, runs[0].stderr
