@@ -25,9 +25,11 @@ else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_
 Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` (or `false`, `off`, `no`)
 turns it off, read at every call (`cpu_kernel_enabled`). The first build (tens of seconds) says so at the default log
 level, and where it caches. The build is cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`) under a name that hashes the source, the torch release and the CPU (it is compiled with
-`-march=native`), so a shared home folder never hands one CPU another's build; the op's namespace hashes the source, so two versions of this file (the package and a
-checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
+`~/.cache/torch_extensions`) under a name that hashes the source, the torch release, torch's installation folder and
+the CPU (it is compiled with `-march=native`), so a shared home folder never hands one CPU another's build, and two
+virtualenvs with the same torch release never rebuild each other's (torch's build rules name torch's headers and
+libraries by path: a changed path rebuilds); the op's namespace hashes the source, so two versions of this file (the
+package and a checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
 later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
@@ -418,8 +420,8 @@ def _cpu_signature() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: the source, the torch release and the CPU, hashed."""
-    key = f"{KERNEL_SOURCE}\n{torch.__version__}\n{_cpu_signature()}".encode()
+    """The build's name: the source, the torch release, torch's installation folder and the CPU, hashed."""
+    key = f"{KERNEL_SOURCE}\n{torch.__version__}\n{os.path.dirname(torch.__file__)}\n{_cpu_signature()}".encode()
     return f"dint_cpu_integral_{hashlib.sha256(key).hexdigest()[:16]}"
 
 
@@ -467,7 +469,7 @@ def build_message(name: str) -> str | None:
     if os.path.exists(os.path.join(folder, f"{name}.so")):
         return None
     return (
-        f"DINT: building the fused CPU integral kernel, once per machine and torch release (a minute or so), in "
+        f"DINT: building the fused CPU integral kernel, once per machine and torch installation (a minute or so), in "
         f"{folder}; later processes load it from there. {CPU_KERNEL_VARIABLE}=0 skips it (the eager ops run)."
     )
 
