@@ -64,15 +64,16 @@ layout's defaults for them, unless the caller sets them."""
 ARCHITECTURE_FIELDS = (
     "differential_attention", "integral", "lambda_init", "head_norm", "head_norm_affine", "lambda_gate",
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "attention_bias", "mlp_bias", "attention_dropout", "rope_parameters", "tie_word_embeddings",
+    "rms_norm_eps", "attention_bias", "mlp_bias", "attention_dropout", "rope_parameters",
 )
 """The fields a built model reads once, to shape its modules and constants (head layout, integral, lambda, head norm,
-sizes, activation, norms' epsilon, biases, RoPE, tying): on a config that a built model holds they cannot change
+sizes, activation, norms' epsilon, biases, RoPE): on a config that a built model holds they cannot change
 (`DintConfig.__setattr__`), since the model in memory would ignore the change and `save_pretrained` would write it.
 Every other field stays settable: transformers' runtime fields (`_attn_implementation`, `use_cache`,
 `output_attentions`, ...), `vocab_size` (`resize_token_embeddings`), `num_hidden_layers` (the forward runs the first
-`num_hidden_layers` layers: transformers' early-exit assistant), token ids, and `one_pass_attention` (read at every
-forward)."""
+`num_hidden_layers` layers: transformers' early-exit assistant), `tie_word_embeddings` (PEFT's `merge_and_unload`
+sets it False where merging untied the weights, so that the config says what the model is), token ids, and
+`one_pass_attention` (read at every forward)."""
 
 BUILT_MODELS = weakref.WeakSet()
 """The DINT models alive, each added as it is built or copied (`DintPreTrainedModel`): a config one of them holds as

@@ -33,7 +33,6 @@ REFUSED_EDITS = [
     ("head_dim", 32),
     ("hidden_size", 512),
     ("rms_norm_eps", 1e-3),
-    ("tie_word_embeddings", True),
     ("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0}),
 ]
 
