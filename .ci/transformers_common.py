@@ -76,7 +76,8 @@ def main() -> int:
     site = parameterized_path(folder)
     if site is not None:
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [site, environment.get("PYTHONPATH")]))
-    print(f"transformers {release}: common tests from its sdist in {folder} ({time.time() - started:.0f} s)", flush=True)
+    print(f"transformers {release}: common tests from its sdist in {folder} ({time.time() - started:.0f} s)",
+          flush=True)
     command = [sys.executable, "-m", "pytest", "tests/test_transformers_common.py", "-q", "-p", "no:cacheprovider",
                "-rs", "-W", "ignore::pytest.PytestUnknownMarkWarning", *sys.argv[1:]]
     return subprocess.run(command, cwd=REPO_ROOT, env=environment).returncode

@@ -284,7 +284,8 @@ class DintConfig(PreTrainedConfig):
         (assigning the value it has is a no-op and passes); validates DINT's other fields there at once."""
         if name in ARCHITECTURE_FIELDS and self.held_by_model() and getattr(self, name) != value:
             raise FrozenInstanceError(
-                f"cannot assign `{name}={value!r}` to the config of a built DINT model (it is {getattr(self, name)!r}): "
+                f"cannot assign `{name}={value!r}` to the config of a built DINT model (it is "
+                f"{getattr(self, name)!r}): "
                 f"`{name}` shapes the model's modules or its forward, which were built from it, and save_pretrained "
                 f"would write a model other than the one in memory. For that model build a new one from an edited copy "
                 f"(`config = copy.deepcopy(model.config); config.{name} = {value!r}; type(model)(config)`, new "

@@ -23,14 +23,14 @@ torch.compile and export, where the head norm has no hooks, and where nobody nee
 cache recording its past for `crop`); a packed-request cache takes it where it has `integral_state_table`. Everywhere
 else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
 Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` (or `false`, `off`, `no`)
-turns it off, read at every call (`cpu_kernel_enabled`). The first build (tens of seconds) says so at the default log
+turns it off, read at every call (`cpu_kernel_enabled`). The first build (a minute or so) says so at the default log
 level, and where it caches. The build is cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default
 `~/.cache/torch_extensions`) under a name that hashes the source, the torch release, torch's installation folder and
 the CPU (it is compiled with `-march=native`), so a shared home folder never hands one CPU another's build, and two
 virtualenvs with the same torch release never rebuild each other's (torch's build rules name torch's headers and
 libraries by path: a changed path rebuilds); the op's namespace hashes the source, so two versions of this file (the
-package and a checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
-later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
+package and a checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that
+folder, on which later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
@@ -464,7 +464,7 @@ def build_folder(name: str) -> str:
 
 def build_message(name: str) -> str | None:
     """What the user is told before the extension `name` is compiled, or None where its cached build is there to load
-    (the library torch writes, `<folder>/<name>.so`): a first build takes tens of seconds."""
+    (the library torch writes, `<folder>/<name>.so`): a first build takes a minute or so."""
     folder = build_folder(name)
     if os.path.exists(os.path.join(folder, f"{name}.so")):
         return None

@@ -82,9 +82,9 @@ def test_the_lambda_gate_of_a_v2_model_is_refused_too():
     "field, value", [("integral", "none"), ("integral", "softmax"), ("lambda_init", 0.5), ("head_norm", False)]
 )
 def test_a_model_built_from_an_edited_copy_is_that_model_and_reloads_equal(field, value, input_ids, tmp_path):
-    """The way the message gives: an edited copy of the config builds the model asked for (here with the first
+    """The ways the message gives: an edited copy of the config builds the model asked for (here with the first
     model's weights, less the head norms where `head_norm=False`); it computes another function, and saves and
-    reloads to equal logits."""
+    reloads to equal logits. The first model's saved weights loaded under the edited field give that model too."""
     model = main_job_model()
     config = copy.deepcopy(model.config)
     setattr(config, field, value)
@@ -97,8 +97,12 @@ def test_a_model_built_from_an_edited_copy_is_that_model_and_reloads_equal(field
         logits = edited(input_ids).logits
         assert torch.isfinite(logits).all()
         assert (logits - model(input_ids).logits).abs().max() > 1e-3  # the edit took effect
-        assert_equal_to_rounding(reloaded(edited, tmp_path)(input_ids).logits, logits)
-    assert getattr(DintConfig.from_pretrained(tmp_path), field) == value
+        assert_equal_to_rounding(reloaded(edited, tmp_path / "edited")(input_ids).logits, logits)
+        # The message's other way: the saved weights loaded under the edited field give the same model.
+        model.save_pretrained(tmp_path / "original")
+        loaded = DintForCausalLM.from_pretrained(tmp_path / "original", **{field: value}).eval()
+        assert_equal_to_rounding(loaded(input_ids).logits, logits)
+    assert getattr(DintConfig.from_pretrained(tmp_path / "edited"), field) == value
 
 
 def test_an_invalid_value_in_an_edited_copy_is_refused_when_the_model_is_built():

@@ -63,7 +63,9 @@ if not folder.rstrip(os.sep).endswith(transformers.__version__):
         f"{TESTS_FOLDER_VARIABLE}={folder} does not hold the common tests of the installed transformers "
         f"{transformers.__version__}: run `python .ci/transformers_common.py`."
     )
-pytest.importorskip("parameterized", reason="transformers' common tests need `parameterized` (.ci/transformers_common.py installs it)")
+pytest.importorskip(
+    "parameterized", reason="transformers' common tests need `parameterized` (.ci/transformers_common.py installs it)"
+)
 
 
 def stand_in_modules() -> None:
