@@ -313,7 +313,7 @@ def convert_checkpoint(
     if plan.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     check_plan(plan, expected)
-    keep_in_fp32 = tuple(getattr(plan.model_class, "_keep_in_fp32_modules_strict", None) or ())
+    keep_in_fp32 = tuple(getattr(reference_model, "_keep_in_fp32_modules_strict", None) or ())  # per layout
     with atomic_output_dir(output_dir, force=force, source_dir=source_dir) as staging:
         # Config, generation config and (for DINT) the remote-code files, exactly as `save_pretrained` writes them;
         # first, because `save_pretrained` removes weight files it did not write itself. Its progress bar would

@@ -14,6 +14,8 @@ from .transformers_compat import check_transformers_version  # noqa: F401, I001
 
 import json
 import math
+import weakref
+from dataclasses import FrozenInstanceError
 from importlib import resources
 
 from huggingface_hub.dataclasses import strict
@@ -57,6 +59,25 @@ LAYOUT_FIELDS = ("head_norm", "head_norm_affine", "lambda_init", "lambda_std_dev
 """The fields whose value depends on the head layout (`differential_attention`): v1's head norm, lambda_init, lambda
 vectors and one pass, v2's lambda gate. `DintConfig.from_preset` gives a preset switched to the other layout that
 layout's defaults for them, unless the caller sets them."""
+
+
+ARCHITECTURE_FIELDS = (
+    "differential_attention", "integral", "lambda_init", "head_norm", "head_norm_affine", "lambda_gate",
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "attention_bias", "mlp_bias", "attention_dropout", "rope_parameters",
+)
+"""The fields a built model reads once, to shape its modules and constants (head layout, integral, lambda, head norm,
+sizes, activation, norms' epsilon, biases, RoPE): on a config that a built model holds they cannot change
+(`DintConfig.__setattr__`), since the model in memory would ignore the change and `save_pretrained` would write it.
+Every other field stays settable: transformers' runtime fields (`_attn_implementation`, `use_cache`,
+`output_attentions`, ...), `vocab_size` (`resize_token_embeddings`), `num_hidden_layers` (the forward runs the first
+`num_hidden_layers` layers: transformers' early-exit assistant), `tie_word_embeddings` (PEFT's `merge_and_unload`
+sets it False where merging untied the weights, so that the config says what the model is), token ids, and
+`one_pass_attention` (read at every forward)."""
+
+BUILT_MODELS = weakref.WeakSet()
+"""The DINT models alive, each added as it is built or copied (`DintPreTrainedModel`): a config one of them holds as
+`.config` refuses edits of `ARCHITECTURE_FIELDS`. A copy of that config is held by no model, so it is free again."""
 
 
 MATERIALIZING, ONE_PASS, TWO_CALLS = "materializing", "one_pass", "two_calls"
@@ -257,6 +278,34 @@ class DintConfig(PreTrainedConfig):
         # `layer_types` is derived from `num_hidden_layers` (see the property): an entry in a saved config is ignored.
         kwargs.pop("layer_types", None)
         super().__post_init__(**kwargs)
+
+    def __setattr__(self, name, value):
+        """Refuses, at the assignment, an edit of an `ARCHITECTURE_FIELDS` field on a config that a built model holds
+        (assigning the value it has is a no-op and passes); validates DINT's other fields there at once."""
+        if name in ARCHITECTURE_FIELDS and self.held_by_model() and getattr(self, name) != value:
+            raise FrozenInstanceError(
+                f"cannot assign `{name}={value!r}` to the config of a built DINT model (it is "
+                f"{getattr(self, name)!r}): "
+                f"`{name}` shapes the model's modules or its forward, which were built from it, and save_pretrained "
+                f"would write a model other than the one in memory. For that model build a new one from an edited copy "
+                f"(`config = copy.deepcopy(model.config); config.{name} = {value!r}; type(model)(config)`, new "
+                f"weights), load saved weights under it (`from_pretrained(path, {name}={value!r})`: weights it lacks "
+                f"are initialized), or convert a checkpoint (dint-convert)."
+            )
+        if name in ("one_pass_attention", "lambda_std_dev") and self.held_by_model():
+            previous = getattr(self, name)
+            super().__setattr__(name, value)
+            try:
+                self.validate_architecture()
+            except ValueError:
+                super().__setattr__(name, previous)
+                raise
+            return
+        super().__setattr__(name, value)
+
+    def held_by_model(self) -> bool:
+        """Whether a built DINT model holds this config as its `.config` (`BUILT_MODELS`)."""
+        return any(model.__dict__.get("config") is self for model in BUILT_MODELS)
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
@@ -497,6 +546,7 @@ def preset_names() -> list[str]:
 
 
 __all__ = [
+    "ARCHITECTURE_FIELDS",
     "DintConfig",
     "DINT_LAYER_TYPE",
     "DIFFERENTIAL_ATTENTIONS",

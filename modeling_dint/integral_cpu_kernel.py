@@ -21,14 +21,18 @@ the eager ops and DiffLlama's tail: docs/performance.md.
 The op is an inference kernel: the integral's plan (`integral_dint.choose_implementation`) takes it on CPU for fp32
 and bf16 when no gradient is needed, outside torch.compile and export, where the head norm has no hooks, and where
 nobody needs the running sum of every row (a cache recording its past for `crop`); a packed-request holder takes it
-where it keeps a state table. A decoding step (one row) runs the eager ops in place, which cost the host less than
-the op's call. Everywhere else the eager ops run, and the tests compare the two (`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
-Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` turns it off. The build is
-cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) under a name that
-hashes the source, the torch release and the CPU (it is compiled with `-march=native`), so a shared home folder never
-hands one CPU another's build; the op's namespace hashes the source, so two versions of this file (the package and a
-checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that folder, on which
-later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
+where it keeps a state table. A decoding step of a layer without a head norm (one row) runs the eager ops in place,
+which cost the host less than the op's call. Everywhere else the eager ops run, and the tests compare the two
+(`tests/test_integral_cpu_kernel.py`, `tests/test_vllm.py`).
+Without a C++ compiler and ninja it warns once and the eager ops run; `DINT_CPU_KERNEL=0` (or `false`, `off`, `no`)
+turns it off, read at every forward (`cpu_kernel_enabled`). The first build (a minute or so) says so at the default
+log level, and where it caches. The build is cached in torch's extensions folder (`TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`) under a name that hashes the source, the torch release, torch's installation folder and
+the CPU (it is compiled with `-march=native`), so a shared home folder never hands one CPU another's build, and two
+virtualenvs with the same torch release never rebuild each other's (torch's build rules name torch's headers and
+libraries by path: a changed path rebuilds); the op's namespace hashes the source, so two versions of this file (the
+package and a checkpoint's remote code) never share one. A build killed midway leaves torch's lock file in that
+folder, on which later builds would wait forever: a lock older than `STALE_LOCK_SECONDS` is reported and removed.
 
 This file travels with the remote code (`save_pretrained`): it imports nothing but torch and transformers.
 """
@@ -375,9 +379,43 @@ _lock = threading.Lock()
 _state = {"op": None, "tried": False}
 
 
-def kernel_enabled() -> bool:
-    """Whether the kernel may be used: `DINT_CPU_KERNEL` unset or not "0" (read when the kernel is first wanted)."""
-    return os.environ.get("DINT_CPU_KERNEL", "1") != "0"
+CPU_KERNEL_VARIABLE = "DINT_CPU_KERNEL"
+"""The environment variable that turns the kernel off (`cpu_kernel_enabled`)."""
+
+SWITCH_SPELLINGS = {
+    "1": True, "true": True, "on": True, "yes": True,
+    "0": False, "false": False, "off": False, "no": False,
+}
+"""The values `DINT_CPU_KERNEL` takes, compared without case and surrounding spaces."""
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_cpu_kernel_switch(raw: str) -> bool:
+    value = SWITCH_SPELLINGS.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(
+            f"{CPU_KERNEL_VARIABLE}={raw!r} is not a switch. Allowed (any case): {', '.join(SWITCH_SPELLINGS)}; "
+            "unset or empty: on."
+        )
+    return value
+
+
+def environment_variable(name: str) -> str | None:
+    """`os.environ.get(name)` without the KeyError that `os.environ.get` raises and catches for an unset name (read
+    once per forward, a decoding step's cost): CPython's `os.environ` keeps its values in `_data`, by encoded key."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return os.environ.get(name)
+    value = data.get(os.environ.encodekey(name))
+    return None if value is None else os.environ.decodevalue(value)
+
+
+def cpu_kernel_enabled() -> bool:
+    """Whether the kernel may be used: `DINT_CPU_KERNEL` unset, empty or one of `SWITCH_SPELLINGS`' true spellings;
+    a value that is no spelling is refused. Read at every call, so that a test or benchmark can change it between
+    forwards; each distinct raw value is parsed once (a dictionary lookup after that)."""
+    raw = environment_variable(CPU_KERNEL_VARIABLE)
+    return True if not raw else _parse_cpu_kernel_switch(raw)
 
 
 def _cpu_signature() -> str:
@@ -395,22 +433,23 @@ def _cpu_signature() -> str:
 
 
 def extension_name() -> str:
-    """The build's name: the source, the torch release and the CPU, hashed."""
-    key = f"{KERNEL_SOURCE}\n{torch.__version__}\n{_cpu_signature()}".encode()
+    """The build's name: the source, the torch release, torch's installation folder and the CPU, hashed."""
+    key = f"{KERNEL_SOURCE}\n{torch.__version__}\n{os.path.dirname(torch.__file__)}\n{_cpu_signature()}".encode()
     return f"dint_cpu_integral_{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def integral_kernel():
-    """`torch.ops.<NAMESPACE>.integral_forward`, built (or loaded from the cache) on the first call of the process, or
-    None where it is turned off or cannot be built (warned once)."""
+    """`torch.ops.<NAMESPACE>.integral_forward`, built (or loaded from the cache) on the first call of the process
+    where it is enabled, or None where `DINT_CPU_KERNEL` turns it off now (`cpu_kernel_enabled`) or it cannot be built
+    (warned once)."""
+    if not cpu_kernel_enabled():
+        return None
     if _state["tried"]:
         return _state["op"]
     with _lock:
-        if _state["tried"]:
-            return _state["op"]
-        if kernel_enabled():
+        if not _state["tried"]:
             _state["op"] = _build()
-        _state["tried"] = True
+            _state["tried"] = True
     return _state["op"]
 
 
@@ -428,11 +467,29 @@ def _build():
     return _compile()
 
 
+def build_folder(name: str) -> str:
+    """Where torch builds and caches the extension `name` (created if missing): `TORCH_EXTENSIONS_DIR/name`, by
+    default `~/.cache/torch_extensions/<python>_<accelerator>/name`, as torch's `load_inline` computes it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def build_message(name: str) -> str | None:
+    """What the user is told before the extension `name` is compiled, or None where its cached build is there to load
+    (the library torch writes, `<folder>/<name>.so`): a first build takes a minute or so."""
+    folder = build_folder(name)
+    if os.path.exists(os.path.join(folder, f"{name}.so")):
+        return None
+    return (
+        f"DINT: building the fused CPU integral kernel, once per machine and torch installation (a minute or so), in "
+        f"{folder}; later processes load it from there. {CPU_KERNEL_VARIABLE}=0 skips it (the eager ops run)."
+    )
+
+
 def _remove_stale_lock(name: str) -> None:
     """Removes torch's build lock of `name` where a killed build left it (older than `STALE_LOCK_SECONDS`)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    lock = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name, "lock")
+    lock = os.path.join(build_folder(name), "lock")
     try:
         age = time.time() - os.path.getmtime(lock)
     except OSError:
@@ -452,7 +509,9 @@ def _compile():
 
         name = extension_name()
         _remove_stale_lock(name)
-        logger.info("DINT: building the fused CPU integral kernel (once per machine; DINT_CPU_KERNEL=0 skips it)")
+        message = build_message(name)
+        if message is not None:
+            logger.warning(message)
         load_inline(
             name,
             cpp_sources=[KERNEL_SOURCE],
@@ -460,6 +519,7 @@ def _compile():
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        return getattr(torch.ops, NAMESPACE).integral_forward
     except Exception as error:  # no compiler, no ninja, an unusual toolchain: the eager ops are exact too
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
         logger.warning_once(
@@ -468,7 +528,6 @@ def _compile():
             "DINT_CPU_KERNEL=0 silences this."
         )
         return None
-    return getattr(torch.ops, NAMESPACE).integral_forward
 
 # --- The eager ops' running sum on CPU with a gradient (training), where the op above does not run --------------------
 

@@ -38,6 +38,7 @@ from .integral_cpu_kernel import (
     ROW_VALID,
     blocked_running_sum,
     blocked_scan_is_exact,
+    environment_variable,
     integral_kernel,
 )
 from .transformers_compat import build_dint_cache_layers
@@ -427,16 +428,6 @@ def compose_final_attention(
         integral_weights = torch.where(key_valid.any(dim=-1, keepdim=True), integral_weights, 0.0)
     final_weights = signal_weights - lambda_full * noise_weights + lambda_full * integral_weights
     return final_weights, running_column_sums
-
-
-def environment_variable(name: str) -> str | None:
-    """`os.environ.get(name)` without the KeyError that `os.environ.get` raises and catches for an unset name (read
-    once per forward, a decoding step's cost): CPython's `os.environ` keeps its values in `_data`, by encoded key."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return os.environ.get(name)
-    value = data.get(os.environ.encodekey(name))
-    return None if value is None else os.environ.decodevalue(value)
 
 
 def requested_integral_kernel() -> str:

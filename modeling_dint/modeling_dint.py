@@ -48,7 +48,7 @@ from transformers.utils.output_capturing import capture_outputs
 # direct relative imports of the modeling file into a remote-code module (and the layers must register at load).
 from .cache_dint import DintDynamicLayer, DintStaticLayer, check_dint_cache  # noqa: F401
 from .integral_cpu_kernel import integral_kernel  # noqa: F401
-from .configuration_dint import DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
+from .configuration_dint import BUILT_MODELS, DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
 from .integral_dint import DintIntegral, DintIntegralLayout, DintIntegralState, forward_integral_layout
 from .masking_dint import DINT_QUERY_VALID_KEY, check_padding_mask_length, create_dint_masks, default_position_ids
 
@@ -318,6 +318,14 @@ DINT_AUTO_MAP = {  # what `save_pretrained` writes, so that every Auto class loa
 }
 
 
+def keep_in_fp32_modules(config: DintConfig) -> list[str]:
+    """The modules a model of `config` keeps fp32 in fp16 and bf16 loads (`_keep_in_fp32_modules_strict`; the plain
+    list would keep them in fp16 loads only): v1's lambda vectors, v2's lambda gate where the config has one."""
+    if config.differential_attention == "v1":
+        return ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"]
+    return ["lambda_gate"] if config.lambda_gate else []
+
+
 @auto_docstring
 class DintPreTrainedModel(PreTrainedModel):
     config: DintConfig
@@ -331,9 +339,6 @@ class DintPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
-    # The strict list keeps v1's lambda vectors and v2's lambda gate fp32 in fp16 and bf16 loads (the plain list: fp16
-    # only)
-    _keep_in_fp32_modules_strict = ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "lambda_gate"]
     _can_record_outputs = {
         "hidden_states": DintDecoderLayer,
         "attentions": DintAttention,
@@ -344,6 +349,14 @@ class DintPreTrainedModel(PreTrainedModel):
         # fields only (transformers' checks, such as the rope parameters', ran when the config was built).
         config.validate_architecture()
         super().__init__(config, *inputs, **kwargs)
+        # Per model, from its layout: a class-wide list would name modules that a model of the other layout lacks.
+        self._keep_in_fp32_modules_strict = keep_in_fp32_modules(config)
+        BUILT_MODELS.add(self)  # from here on the config refuses edits of the fields the modules are built from
+
+    def __setstate__(self, state):
+        """A copied or unpickled model holds its config as a built one does (`BUILT_MODELS`)."""
+        super().__setstate__(state)
+        BUILT_MODELS.add(self)
 
     @torch.no_grad()
     def _init_weights(self, module):

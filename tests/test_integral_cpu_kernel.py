@@ -4,6 +4,7 @@ each head norm, fp32 and bf16; taken only where it may be (no gradient wanted, e
 the eager ops when it cannot be built."""
 
 import copy
+import os
 import shutil
 
 import pytest
@@ -218,16 +219,108 @@ def test_without_a_toolchain_it_warns_once_and_the_eager_ops_run(monkeypatch, ca
         assert torch.isfinite(tiny_model()(torch.randint(3, 128, (1, 6))).logits).all()
 
 
-def test_dint_cpu_kernel_0_turns_it_off(monkeypatch):
-    monkeypatch.setenv("DINT_CPU_KERNEL", "0")
+@pytest.mark.parametrize("raw", ["0", "false", "OFF", "No", " off "])
+def test_dint_cpu_kernel_off_spellings_turn_it_off(raw, monkeypatch):
+    """Every usual spelling of "off" turns the kernel off, before anything is built."""
+    monkeypatch.setenv("DINT_CPU_KERNEL", raw)
     monkeypatch.setattr(kernel_module, "_state", {"op": None, "tried": False})
+    assert kernel_module.cpu_kernel_enabled() is False
     assert kernel_module.integral_kernel() is None
+    assert kernel_module._state == {"op": None, "tried": False}  # not built, not even tried
+
+
+@pytest.mark.parametrize("raw", ["1", "true", "On", "YES", "", None])
+def test_dint_cpu_kernel_on_spellings_and_unset_leave_it_on(raw, monkeypatch):
+    if raw is None:
+        monkeypatch.delenv("DINT_CPU_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("DINT_CPU_KERNEL", raw)
+    assert kernel_module.cpu_kernel_enabled() is True
+
+
+@pytest.mark.parametrize("raw", ["2", "enable", "disabled", "tru", "0n"])
+def test_dint_cpu_kernel_refuses_other_values_naming_the_variable_and_the_spellings(raw, monkeypatch):
+    monkeypatch.setenv("DINT_CPU_KERNEL", raw)
+    with pytest.raises(ValueError) as error:
+        kernel_module.cpu_kernel_enabled()
+    message = str(error.value)
+    assert f"DINT_CPU_KERNEL={raw!r}" in message
+    assert all(spelling in message for spelling in ("0", "1", "false", "true", "off", "on", "no", "yes"))
+
+
+@requires_toolchain
+def test_dint_cpu_kernel_is_read_at_every_forward(monkeypatch):
+    """A test or benchmark can switch the kernel between forwards; the outputs stay the eager ops' (the same to
+    rounding)."""
+    calls = kernel_calls(monkeypatch)
+    model = tiny_model()
+    input_ids = torch.randint(3, 128, (2, 9))
+    logits = {}
+    for raw, enabled in [("off", False), ("1", True), ("False", False), ("ON", True)]:
+        monkeypatch.setenv("DINT_CPU_KERNEL", raw)
+        calls.clear()
+        with torch.no_grad():
+            logits[raw] = model(input_ids).logits
+        assert len(calls) == (model.config.num_hidden_layers if enabled else 0), raw
+    torch.testing.assert_close(logits["1"], logits["off"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits["off"], logits["False"]) and torch.equal(logits["1"], logits["ON"])
+
+
+def test_the_first_build_says_so_and_where_it_caches(monkeypatch, tmp_path, caplog):
+    """Before compiling, `_compile` warns (the default log level shows warnings) that it builds and where; with the
+    cached library there it says nothing. torch's `load_inline` is replaced by one that writes the library file (a
+    real build takes tens of seconds: `test_a_real_first_build_prints_the_message_once`, marked slow)."""
+    import logging
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = kernel_module.extension_name()
+    library = tmp_path / name / f"{name}.so"
+    builds = []
+
+    def load_inline(name, **kwargs):
+        builds.append(name)
+        library.write_bytes(b"")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", load_inline)
+    message = kernel_module.build_message(name)
+    assert "building the fused CPU integral kernel" in message and str(tmp_path / name) in message
+    with caplog.at_level(logging.WARNING):
+        kernel_module._compile()
+    assert builds == [name]
+    assert [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING][:1] == [message]
+    caplog.clear()
+    assert kernel_module.build_message(name) is None
+    with caplog.at_level(logging.WARNING):
+        kernel_module._compile()
+    assert "building the fused CPU integral kernel" not in caplog.text
+
+
+@requires_toolchain
+@pytest.mark.slow
+def test_a_real_first_build_prints_the_message_once(tmp_path):
+    """A real build into an empty extensions folder, in a fresh process at the default log level: its stderr says it
+    is building and where; a second process loads the cached build silently."""
+    import subprocess
+    import sys
+
+    script = "from modeling_dint.integral_cpu_kernel import integral_kernel; assert integral_kernel() is not None"
+    environment = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    environment.pop("DINT_CPU_KERNEL", None)
+    runs = [subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                           timeout=1800) for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    name = kernel_module.extension_name()
+    assert runs[0].stderr.count("DINT: building the fused CPU integral kernel") == 1, runs[0].stderr
+    assert str(tmp_path / name) in runs[0].stderr
+    assert "building the fused CPU integral kernel" not in runs[1].stderr
+    assert (tmp_path / name / f"{name}.so").exists()
 
 
 def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path, caplog):
     """A build killed midway leaves torch's lock, on which every later build would wait: one older than
     STALE_LOCK_SECONDS goes, with a warning; a fresh one (a build running now) stays."""
-    import os
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
