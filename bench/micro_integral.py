@@ -13,6 +13,7 @@ the load average before and after.
 """
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # noqa: E402
 import modeling_dint.integral_cpu_kernel as kernel_module  # noqa: E402
-from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout  # noqa: E402
+from modeling_dint.integral_dint import CPU_KERNEL, EAGER, DintIntegral, DintIntegralLayout, plan_integral  # noqa: E402
 from modeling_dint.modeling_dint import DintHeadRMSNorm  # noqa: E402
 
 
@@ -41,15 +42,25 @@ def tails(batch_size, rows, heads, channels, dtype):
     group_norm = DiffLlamaRMSNorm(channels, eps=1e-5).to(dtype)
     kernel = kernel_module.integral_kernel()
 
+    def planned() -> DintIntegralLayout:  # as a forward without gradient plans it, once for all layers
+        with torch.no_grad():
+            return plan_integral(
+                copy.copy(layout), None, torch.device("cpu"), dtype, signal_output.numel(), False, False
+            )
+
+    kernel_layout = planned()
+    kernel_module._state["op"] = None  # the plan where the kernel is not built: the eager ops
+    try:
+        eager_layout = planned()
+    finally:
+        kernel_module._state["op"] = kernel
+    assert (kernel_layout.implementation, eager_layout.implementation) == (CPU_KERNEL, EAGER)
+
     def dint_kernel():
-        return integral(signal_output, noise_output, lambda_, layout, None, head_norm)
+        return integral(signal_output, noise_output, lambda_, kernel_layout, head_norm)
 
     def dint_eager():
-        kernel_module._state["op"] = None
-        try:
-            return integral(signal_output, noise_output, lambda_, layout, None, head_norm)
-        finally:
-            kernel_module._state["op"] = kernel
+        return integral(signal_output, noise_output, lambda_, eager_layout, head_norm)
 
     def diffllama():  # transformers' DiffLlamaAttention after its two attention calls
         lambda_full = lambda_.to(dtype)

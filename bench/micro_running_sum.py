@@ -6,13 +6,15 @@ documents) against the scans it chooses between, forward and forward+backward.
     python bench/micro_running_sum.py --device cuda --seq-lens 2048,8192,32768 --heads 8 --channels 128
 
 The tensor is `[B, T, heads, channels]` fp32, as the fast path's O1 (`heads` = H/2 differential heads, `channels` =
-2 * head_dim). On a CPU the package sums in blocks of matrix multiplies (`_blocked_running_sum`); elsewhere it scans
-with the rows last. Times are medians over `--repeats` calls, in milliseconds: CPU time of this process on a CPU (the
+2 * head_dim). On a CPU the package sums in blocks of matrix multiplies (`integral_cpu_kernel.blocked_running_sum`);
+on CUDA it scans with the rows last (`integral_triton_kernel.rows_last_running_sum`): the scan the plan of the eager ops
+gives the layout. Times are medians over `--repeats` calls, in milliseconds: CPU time of this process on a CPU (the
 steadier measure where other work shares the cores; run with `--threads 1`), wall time with the device synchronized on
 CUDA.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,18 +33,19 @@ def rows_last_cumsum(rows):
 
 def blocked_running_sum(rows):
     """The package's CPU path alone: blocks of `SCAN_BLOCK_ROWS` rows summed by a lower-triangular matrix."""
-    from modeling_dint.integral_dint import _blocked_running_sum
+    from modeling_dint.integral_cpu_kernel import blocked_running_sum as package_blocked_running_sum
 
-    return _blocked_running_sum(rows, None)
+    return package_blocked_running_sum(rows, None)
 
 
 _LAYOUTS = {}
 
 
 def package_running_sum(rows, documents: int = 1):
-    """The package's `segmented_running_sum` with the layout a forward builds (once per forward, shared by the layers:
-    built once here too): one document per row (no caller's position ids), or `documents` packed documents."""
-    from modeling_dint import DintIntegralLayout, segmented_running_sum
+    """The package's `segmented_running_sum` with the layout a forward of the eager ops builds and plans (once per
+    forward, shared by the layers: once here too), its scan tuned for the device: one document per row (no caller's
+    position ids), or `documents` packed documents."""
+    from modeling_dint.integral_dint import DintIntegralLayout, plan_integral, segmented_running_sum
 
     batch, length = rows.shape[:2]
     key = (batch, length, documents, rows.device)
@@ -51,8 +54,18 @@ def package_running_sum(rows, documents: int = 1):
         if documents > 1:
             document_start = torch.zeros(batch, length, dtype=torch.bool, device=rows.device)
             document_start[:, :: max(length // documents, 1)] = True
-        _LAYOUTS[key] = DintIntegralLayout.build(None, document_start, None, batch, length, rows.device)
-    return segmented_running_sum(rows, _LAYOUTS[key], query_dim=1)
+        layout = DintIntegralLayout.build(None, document_start, None, batch, length, rows.device)
+        saved = os.environ.get("DINT_INTEGRAL_KERNEL")
+        os.environ["DINT_INTEGRAL_KERNEL"] = "eager"  # the eager ops' plan, whatever the device, mode and length
+        try:
+            _LAYOUTS[key] = plan_integral(layout, None, rows.device, rows.dtype, rows.numel(), True, False)
+        finally:
+            if saved is None:
+                del os.environ["DINT_INTEGRAL_KERNEL"]
+            else:
+                os.environ["DINT_INTEGRAL_KERNEL"] = saved
+    layout = _LAYOUTS[key]
+    return segmented_running_sum(rows, layout, running_sum=layout.running_sum, query_dim=1)
 
 
 VARIANTS = {

@@ -256,7 +256,8 @@ def test_a_continued_cache_carries_the_kernels_state(monkeypatch):
     torch.testing.assert_close(chunk.logits, full.logits[:, 25:], atol=1e-5, rtol=1e-5)
     for layer_idx in range(model.config.num_hidden_layers):
         torch.testing.assert_close(
-            cache_of(chunk).layers[layer_idx].signal_sum, cache_of(full).layers[layer_idx].signal_sum, atol=1e-5, rtol=1e-5
+            cache_of(chunk).layers[layer_idx].signal_sum, cache_of(full).layers[layer_idx].signal_sum,
+            atol=1e-5, rtol=1e-5,
         )
 
 
