@@ -37,6 +37,7 @@ Timing: after a warm-up step per model, `--rounds` rounds in which the models of
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -354,7 +355,7 @@ def integral_calls(args) -> dict:
     from torch import nn
 
     import modeling_dint.integral_triton_kernel as triton_kernel
-    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout
+    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout, plan_integral
 
     heads, channels = (2, 16) if args.smoke else (16, 128)
     integral = DintIntegral("mean", layer_idx=0)
@@ -378,11 +379,11 @@ def integral_calls(args) -> dict:
             if document_rows:  # packed documents: the running sums restart every `document_rows` rows
                 document_start = (torch.arange(rows, device=args.device) % document_rows == 0)[None]
             layout = DintIntegralLayout.build(None, document_start, None, batch_size, rows, torch.device(args.device))
-            layout.row_flags(batch_size, rows, torch.device(args.device))
+            planned = None  # the layout as each variant's forward plans it, once, before the timing (below)
 
             def call():  # the gradients returned, not accumulated: a CUDA graph replays it as it was captured
                 with torch.set_grad_enabled(backward):
-                    output = integral(signal, noise, lambda_, layout, None, head_norm)
+                    output = integral(signal, noise, lambda_, planned, head_norm)
                     if backward:
                         torch.autograd.grad(output.float().sum(), (attention_output, lambda_))
 
@@ -396,6 +397,9 @@ def integral_calls(args) -> dict:
             for variant in variants:
                 kernel = "eager" if variant == "eager" or not args.device.startswith("cuda") else "triton"
                 os.environ["DINT_INTEGRAL_KERNEL"] = kernel
+                with torch.set_grad_enabled(backward):
+                    planned = plan_integral(copy.copy(layout), None, torch.device(args.device), torch.bfloat16,
+                                            signal.numel(), backward, False)
                 elements_per_thread = triton_kernel.BACKWARD_ELEMENTS_PER_THREAD
                 if variant == TRITON_BACKWARD_AT_16:
                     triton_kernel.BACKWARD_ELEMENTS_PER_THREAD = 16

@@ -505,7 +505,7 @@ def _choose(layout: DintIntegralLayout, device: torch.device, implementation: st
     """Sets the layout's implementation, the eager ops' scan for `device`, and the rows a kernel reads where one runs
     the calls (`plan_integral`, `DintIntegralLayout.to`)."""
     layout.implementation, layout.running_sum = implementation, None
-    if implementation == EAGER and not compiling:  # (a compiler traces the plain cumsum and fuses it)
+    if not compiling:  # (a compiler traces the plain cumsum and fuses it); a kernel's plan too: `kernel_takes` may refuse
         if device.type == "cpu" and blocked_scan_is_exact():
             layout.running_sum = blocked_running_sum
         elif device.type == "cuda":
@@ -624,16 +624,17 @@ def has_hooks(module: nn.Module) -> bool:
     )
 
 
-def kernel_takes(signal_output, noise_output, lambda_: torch.Tensor, head_norm: nn.Module | None) -> bool:
+def kernel_takes(signal_output, noise_output, lambda_, head_norm: nn.Module | None, dtype: torch.dtype) -> bool:
     """What the plan cannot know of one layer's call, and every kernel needs (arguments as `DintIntegral.__call__`'s):
-    plain tensors of one dtype with contiguous channels, an fp32 lambda on their device, and a head norm that computes
+    plain tensors of the planned `dtype` with contiguous channels, an fp32 lambda on their device, and a head norm that computes
     torch's RMSNorm over the channels (`nn.RMSNorm`, or a class that says so with `fused_by_integral_kernels`) or
     nothing (`nn.Identity`), with no hooks to run (a kernel does not call the module) and its weight beside the
     outputs (not offloaded)."""
     if (
         type(signal_output) is not torch.Tensor
         or head_norm is None
-        or noise_output.dtype != signal_output.dtype
+        or signal_output.dtype != dtype
+        or noise_output.dtype != dtype
         or lambda_.dtype != torch.float32
         or lambda_.device != signal_output.device
         or signal_output.stride(-1) != 1
@@ -704,7 +705,9 @@ class DintIntegral:
         if layout.implementation is None:  # a caller's own layout (vLLM's): planned by its first call
             plan_integral(layout, state, signal_output.device, signal_output.dtype, signal_output.numel(), False, False)
         combined = self._decoding_step(signal_output, noise_output, lambda_, layout, state) if layout.decoding_step else None
-        if combined is None and layout.implementation != EAGER and kernel_takes(signal_output, noise_output, lambda_, head_norm):
+        if combined is None and layout.implementation != EAGER and kernel_takes(
+            signal_output, noise_output, lambda_, head_norm, layout.plan_inputs[1]
+        ):
             return kernel_integral(self.layer_idx, signal_output, noise_output, lambda_, layout, state, head_norm)
         if combined is None:  # the reference
             carry = None if state is None else state.carried(self.layer_idx, SIGNAL_SUM)
@@ -823,7 +826,9 @@ def takes_cpu_kernel(signal_output, noise_output, lambda_, layout, state, head_n
         signal_output.device, requested_integral_kernel(), signal_output.dtype, signal_output.numel(),
         torch.is_grad_enabled(), False, torch.compiler.is_compiling(), layout.carry_per_row, state,
     )
-    return implementation == CPU_KERNEL and kernel_takes(signal_output, noise_output, lambda_, head_norm)
+    return implementation == CPU_KERNEL and kernel_takes(
+        signal_output, noise_output, lambda_, head_norm, signal_output.dtype
+    )
 
 
 def dint_attention_map(

@@ -2,6 +2,8 @@
 with CUDA graphs), on both head layouts (DIFF V1's and V2's). Skipped where no CUDA device exists: CI has none; run
 `python -m pytest tests/test_gpu.py` on a GPU machine (`bench/gpu_bf16.py` runs it first)."""
 
+import copy
+
 import pytest
 import torch
 from dint_testing import left_padded_batch, tiny_model
@@ -122,10 +124,11 @@ def test_compiled_static_decode_uses_cuda_graphs_and_gives_the_eager_tokens(diff
 @pytest.mark.parametrize("rows", [1, 37])
 def test_the_eager_ops_on_cuda_read_bf16_outputs_as_their_fp32_casts(rows, monkeypatch):
     """Without a gradient the eager ops on CUDA read O1 and O2 in bf16 (CUDA's ops cast each element as they read it):
-    the output is that of the same call on their fp32 casts, bit for bit, padding rows and a packed document included."""
+    the output is that of the same call on their fp32 casts, bit for bit, padding rows and a packed document included.
+    Each call plans its own copy of the layout, as a forward in its dtype would."""
     from torch import nn
 
-    from modeling_dint.integral_dint import DintIntegral, DintIntegralLayout
+    from modeling_dint.integral_dint import EAGER, DintIntegral, DintIntegralLayout
 
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
     integral = DintIntegral("mean", layer_idx=0)
@@ -139,6 +142,8 @@ def test_the_eager_ops_on_cuda_read_bf16_outputs_as_their_fp32_casts(rows, monke
     results = []
     with torch.no_grad():
         for outputs in (attention_output, attention_output.float()):
-            results.append(integral(outputs[:, :, 0::2], outputs[:, :, 1::2], lambda_, layout, None, nn.Identity()))
+            planned = copy.copy(layout)
+            results.append(integral(outputs[:, :, 0::2], outputs[:, :, 1::2], lambda_, planned, nn.Identity()))
+            assert planned.implementation == EAGER
     assert results[0].dtype == torch.bfloat16
     assert torch.equal(results[0][query_valid], results[1].to(torch.bfloat16)[query_valid])

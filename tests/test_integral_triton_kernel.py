@@ -2,7 +2,7 @@
 and backward: outputs, the state the cache keeps and every gradient, for every layout of rows (padding inside rows,
 packed documents, a carried state, restarts at chunk boundaries), both head layouts, fp32 and bf16, odd lengths and
 head sizes; through a whole model (forward, backward, cached generation); no new compilation per length or batch
-size; and the dispatch (`DINT_INTEGRAL_KERNEL`).
+size; and the plan's choice (`choose_implementation`, `DINT_INTEGRAL_KERNEL`).
 
 On a CUDA machine the kernels run compiled on the GPU. Elsewhere they run under Triton's interpreter, which must be
 turned on before Triton is imported: `TRITON_INTERPRET=1 python -m pytest tests/test_integral_triton_kernel.py`
@@ -19,14 +19,20 @@ from transformers import DynamicCache
 
 import modeling_dint.integral_triton_kernel as triton_kernel
 from dint_testing import LAYOUTS, V2, cache_of, left_padded_batch, tiny_model, with_cache
-from modeling_dint.cache_dint import SIGNAL_SUM, DintDynamicLayer
+from modeling_dint.cache_dint import DintDynamicLayer
 from modeling_dint.integral_cpu_kernel import integral_kernel
 from modeling_dint.integral_dint import (
+    CPU_KERNEL,
+    EAGER,
+    TRITON_KERNEL,
+    TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT,
     DintIntegral,
     DintIntegralLayout,
-    carried_state,
+    choose_implementation,
     combine_with_integral,
     document_starts,
+    kernel_takes,
+    plan_integral,
     segmented_running_sum,
 )
 
@@ -108,8 +114,8 @@ def test_a_second_derivative_is_refused_not_wrong():
     signal, noise = attention_output.chunk(2, dim=2)
     layout = DintIntegralLayout.build(None, None, None, 1, 20, torch.device(DEVICE))
     output = triton_kernel.triton_integral(
-        signal, noise, torch.tensor(0.5, device=DEVICE), layout.inverse_count_rows(),
-        layout.row_flags(1, 20, torch.device(DEVICE)), None, None, False, 0.0,
+        signal, noise, torch.tensor(0.5, device=DEVICE), layout.inverse_query_count[:, :, 0, 0], layout.row_flags(),
+        None, None, False, 0.0,
     )[0]
     (gradient,) = torch.autograd.grad(output.square().sum(), attention_output, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
@@ -144,7 +150,7 @@ def check_against_eager(dtype, head_layout, case, length, channels, chunk_rows, 
     expected = eager_reference(signal, noise, lambda_, layout, carry, head_norm)
     actual = triton_kernel.triton_integral(
         signal, noise, lambda_, layout.inverse_query_count[:, :, 0, 0],
-        layout.row_flags(batch_size, length, torch.device(DEVICE)), carry, weight, normalize, eps, store_running=True,
+        layout.row_flags(), carry, weight, normalize, eps, store_running=True,
     )
 
     valid = slice(None) if query_valid is None else query_valid.to(DEVICE)
@@ -206,7 +212,7 @@ def test_a_model_trains_through_the_kernel(layout, dtype, kernel_calls, monkeypa
         dict(do_sample=False, num_beams=3, num_return_sequences=2),
         dict(do_sample=False, prefill_chunk_size=5),
         # eager: on CUDA, generate() compiles a static cache's decoding step by itself, and a compiled step runs the
-        # compiler's fusion of the eager ops, not the kernel (`DintIntegral.kernel_for`; tests/test_gpu.py compiles it)
+        # compiler's fusion of the eager ops, not the kernel (`choose_implementation`; tests/test_gpu.py compiles it)
         dict(do_sample=False, cache_implementation="static", disable_compile=True),
         dict(do_sample=False, prompt_lookup_num_tokens=3),
     ],
@@ -250,7 +256,7 @@ def test_a_continued_cache_carries_the_kernels_state(monkeypatch):
     torch.testing.assert_close(chunk.logits, full.logits[:, 25:], atol=1e-5, rtol=1e-5)
     for layer_idx in range(model.config.num_hidden_layers):
         torch.testing.assert_close(
-            carried_state(cache_of(chunk), layer_idx, SIGNAL_SUM), carried_state(cache_of(full), layer_idx, SIGNAL_SUM),
+            cache_of(chunk).layers[layer_idx].signal_sum, cache_of(full).layers[layer_idx].signal_sum,
             atol=1e-5, rtol=1e-5,
         )
 
@@ -288,7 +294,7 @@ def test_no_new_compilation_per_length_or_batch_size(monkeypatch):
         attention_output = torch.randn(batch_size, length, 4, 24, device=DEVICE, requires_grad=True)
         signal, noise = attention_output.chunk(2, dim=2)
         layout = DintIntegralLayout.build(None, None, None, batch_size, length, torch.device(DEVICE))
-        integral(signal, noise, torch.tensor(0.5, device=DEVICE), layout, None, head_norm).sum().backward()
+        integral(signal, noise, torch.tensor(0.5, device=DEVICE), layout, head_norm).sum().backward()
     # One variant each: the tails, the chunk scan forward and back, the forward, the backward's two passes
     assert len(set(launches)) == 6, sorted(set(launches))
     if DEVICE == "cuda":
@@ -299,101 +305,150 @@ def test_no_new_compilation_per_length_or_batch_size(monkeypatch):
         assert all(new[name] <= at_most[name] for name in kernels), new
 
 
-def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
-    """`DINT_INTEGRAL_KERNEL`: "eager" runs the eager ops, "triton" the kernel (here, on CPU, under the interpreter),
-    unset chooses by device (CUDA: the kernel where it pays off, here in training mode, with a gradient or from the
-    threshold's elements on); another value is refused, naming the variable and the choices."""
-    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT
+def planned_layout(model, input_ids: torch.Tensor) -> DintIntegralLayout:
+    """The planned layout that one forward of `model` over `input_ids` gives its layers (`forward_integral_layout`)."""
+    captured = {}
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True
+    )
+    try:
+        model(input_ids.to(DEVICE))
+    finally:
+        handle.remove()
+    return captured["integral_layout"]
 
-    integral = DintIntegral("mean", layer_idx=0)
-    attention_output = torch.randn(1, 8, 4, 16, device=DEVICE)
-    signal, noise = attention_output.chunk(2, dim=2)
-    layout = DintIntegralLayout.build(None, None, None, 1, 8, torch.device(DEVICE))
-    arguments = (signal, noise, torch.tensor(0.5, device=DEVICE), layout, None, nn.Identity().eval())
+
+def test_dint_integral_kernel_chooses_and_refuses(monkeypatch):
+    """`DINT_INTEGRAL_KERNEL`, read by each forward's plan: "eager" runs the eager ops, "triton" the kernel (here, on
+    CPU, under the interpreter) with the rows it reads, unset chooses by device (CUDA: the kernel in training mode or
+    with a gradient, the eager ops for a short call in eval mode without one; CPU: its kernel without a gradient).
+    Another value is refused, naming the variable and the choices; "triton" in a dtype the kernel does not take is
+    refused, naming the dtypes it takes."""
+    model = tiny_model().to(DEVICE)
+    input_ids = torch.randint(3, 128, (1, 8))
+    cpu_kernel = CPU_KERNEL if integral_kernel() is not None else EAGER  # (where a C++ compiler builds it)
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
-    assert integral.kernel_for(*arguments) == "eager"
+    with torch.no_grad():
+        assert planned_layout(model, input_ids).implementation == EAGER
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "triton")
-    assert integral.kernel_for(*arguments) == "triton"
-    assert integral.kernel_for(*arguments[:-1], None) == "eager"  # a caller that normalizes itself
+    with torch.no_grad():
+        layout = planned_layout(model, input_ids)
+    assert layout.implementation == TRITON_KERNEL
+    assert torch.equal(layout.kernel_row_flags, layout.row_flags())
+    assert torch.equal(layout.kernel_inverse_count, layout.inverse_query_count[:, :, 0, 0])
     monkeypatch.delenv("DINT_INTEGRAL_KERNEL")
-    cpu_kernel = "cpu" if integral_kernel() is not None else "eager"  # (where a C++ compiler builds it)
-    assert integral.kernel_for(*arguments) == ("eager" if DEVICE == "cuda" else cpu_kernel)  # CUDA: a short call
-    in_training = (*arguments[:-1], nn.Identity().train())
-    assert integral.kernel_for(*in_training) == ("triton" if DEVICE == "cuda" else cpu_kernel)
-    if DEVICE == "cuda":  # a call from the threshold on, in eval mode without a gradient
-        rows = TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // (2 * 8)
-        long_output = torch.randn(1, rows, 4, 8, device=DEVICE)
-        long_layout = DintIntegralLayout.build(None, None, None, 1, rows, torch.device(DEVICE))
-        assert integral.kernel_for(*long_output.chunk(2, dim=2), *arguments[2:3], long_layout, None,
-                                   nn.Identity().eval()) == "triton"
-    wanting_gradient = (signal.requires_grad_(), noise, *arguments[2:])
-    assert integral.kernel_for(*wanting_gradient) == ("triton" if DEVICE == "cuda" else "eager")
+    with torch.no_grad():  # CUDA: a short call in eval mode
+        assert planned_layout(model, input_ids).implementation == (EAGER if DEVICE == "cuda" else cpu_kernel)
+        in_training = planned_layout(model.train(), input_ids)
+    assert in_training.implementation == (TRITON_KERNEL if DEVICE == "cuda" else cpu_kernel)
+    with torch.enable_grad():
+        assert planned_layout(model.eval(), input_ids).implementation == (
+            TRITON_KERNEL if DEVICE == "cuda" else EAGER
+        )
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "fast")
     with pytest.raises(ValueError, match="DINT_INTEGRAL_KERNEL='fast' is not one of auto, eager, triton"):
-        integral.kernel_for(*arguments)
+        model(input_ids.to(DEVICE))
+    monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "triton")
+    with pytest.raises(ValueError, match="DINT_INTEGRAL_KERNEL=triton, but the Triton kernel takes torch.float32, "
+                       "torch.bfloat16, torch.float16 and this forward computes in torch.float64"):
+        model.double()(input_ids.to(DEVICE))
 
 
-def test_unforced_the_kernel_takes_calls_with_a_gradient_in_training_or_with_many_elements():
-    """With `DINT_INTEGRAL_KERNEL` unset, CUDA calls take the kernel where it cost less than the eager ops on an H200:
-    every call with a gradient (any of O1, O2, lambda and the head norm's weight requiring one, in grad mode), every
-    call in training mode (a reentrant checkpoint's forward without gradient rounds as its recomputation), and calls
-    from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of O1 on (not a decoding step or a short prefill)."""
-    from modeling_dint.integral_dint import TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT, triton_kernel_pays_off, wants_gradient
+def test_unforced_the_kernel_takes_calls_with_a_gradient_in_training_or_with_many_elements(monkeypatch):
+    """With `DINT_INTEGRAL_KERNEL` unset, a CUDA forward takes the kernel where it cost less than the eager ops on an
+    H200 (`choose_implementation`): every forward in grad mode, every one in training mode (a reentrant checkpoint's
+    forward without gradient rounds as its recomputation), and from `TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT` elements of
+    O1 per layer on (not a decoding step or a short prefill); never while compiling, for requests packed into one row,
+    or in a dtype the kernel does not take (unforced: no error). Off CUDA, Triton is made to run on CUDA devices here:
+    the rule is tested, not the device."""
+    if DEVICE != "cuda":
+        monkeypatch.setattr(triton_kernel, "runs_on", lambda device: device.type == "cuda")
 
-    def signal(batch_size, rows, heads=16, channels=128):
-        return torch.empty(batch_size, rows, heads, channels, device="meta")
+    def chosen(batch_size, rows, gradient=False, training=False, compiling=False, per_row=False, dtype=torch.bfloat16):
+        elements = batch_size * rows * 16 * 128  # O1 of 16 differential heads of 128 channels
+        return choose_implementation(
+            torch.device("cuda"), "auto", dtype, elements, gradient, training, compiling, per_row, None
+        )
 
-    assert not triton_kernel_pays_off(signal(1, 1), gradient=False, training=False)  # decoding
-    assert not triton_kernel_pays_off(signal(8, 1), gradient=False, training=False)
-    assert not triton_kernel_pays_off(signal(1, 2048), gradient=False, training=False)  # 4.2M: eager measured faster
-    assert triton_kernel_pays_off(signal(1, 8192), gradient=False, training=False)  # 16.8M: the kernel measured faster
-    assert triton_kernel_pays_off(signal(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048), False, False)
-    assert triton_kernel_pays_off(signal(1, 1), gradient=True, training=False)
-    assert triton_kernel_pays_off(signal(1, 1), gradient=False, training=True)
-
-    outputs = torch.randn(1, 4, 4, 8).chunk(2, dim=2)
-    lambda_ = torch.tensor(0.5)
-    assert not wants_gradient(*outputs, lambda_, nn.Identity())
-    assert not wants_gradient(*outputs, lambda_, nn.RMSNorm(8, elementwise_affine=False))  # no weight
-    assert wants_gradient(*outputs, lambda_, nn.RMSNorm(8))  # its weight
-    assert wants_gradient(*outputs, lambda_.clone().requires_grad_(), nn.Identity())
-    tracked = torch.randn(1, 4, 4, 8, requires_grad=True).chunk(2, dim=2)  # a LoRA-adapted projection's outputs
-    assert wants_gradient(*tracked, lambda_, nn.Identity())
-    with torch.no_grad():
-        assert not wants_gradient(*tracked, lambda_.clone().requires_grad_(), nn.RMSNorm(8))
-    frozen = nn.RMSNorm(8).requires_grad_(False)
-    assert not wants_gradient(*outputs, lambda_, frozen)
+    assert chosen(1, 1) == EAGER  # decoding
+    assert chosen(8, 1) == EAGER
+    assert chosen(1, 2048) == EAGER  # 4.2M: eager measured faster
+    assert chosen(1, 8192) == TRITON_KERNEL  # 16.8M: the kernel measured faster
+    assert chosen(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048) == TRITON_KERNEL
+    assert chosen(1, TRITON_MIN_ELEMENTS_WITHOUT_GRADIENT // 2048 - 1) == EAGER
+    assert chosen(1, 1, gradient=True) == TRITON_KERNEL
+    assert chosen(1, 1, training=True) == TRITON_KERNEL
+    assert chosen(1, 8192, gradient=True, training=True, compiling=True) == EAGER  # the compiler fuses the eager ops
+    assert chosen(1, 8192, gradient=True, per_row=True) == EAGER  # continuous batching's packed requests
+    assert chosen(1, 8192, gradient=True, dtype=torch.float64) == EAGER
 
 
-def test_the_kernel_steps_aside_where_it_cannot_compute_the_call(monkeypatch):
-    """Forced or not, the eager ops run for: requests packed into one row (continuous batching), fp64, a head norm
-    with hooks or one that is not plain RMSNorm (LayerNorm, an RMSNorm subclass with a forward of its own), lambda on
-    another device; DINT's own head norm is fused."""
+def test_the_plan_reads_the_gradient_from_grad_mode():
+    """The plan's gradient is grad mode when the forward plans (`torch.is_grad_enabled()`), whatever requires one: a
+    frozen model (a LoRA adapter's base, an evaluation with grad mode on) plans as a trainable one, and a trainable one
+    plans without a gradient under `torch.no_grad()`. A layout its caller builds (vLLM's) is planned by its first call
+    alike, in eval mode, though no tensor of the call requires a gradient. A gradient takes the kernel on CUDA and the
+    eager ops on CPU (its kernel has no backward); none, at this length, the eager ops on CUDA and the kernel on CPU."""
+    with_gradient = TRITON_KERNEL if DEVICE == "cuda" else EAGER
+    without_gradient = EAGER if DEVICE == "cuda" else (CPU_KERNEL if integral_kernel() is not None else EAGER)
+    input_ids = torch.randint(3, 128, (1, 8))
+    for model in (tiny_model().to(DEVICE), tiny_model().to(DEVICE).requires_grad_(False)):
+        with torch.enable_grad():
+            assert planned_layout(model, input_ids).implementation == with_gradient
+        with torch.no_grad():
+            assert planned_layout(model, input_ids).implementation == without_gradient
+    integral = DintIntegral("mean", layer_idx=0)
+    signal, noise = torch.randn(1, 8, 4, 16, device=DEVICE).chunk(2, dim=2)
+    for grad_mode, expected in ((True, with_gradient), (False, without_gradient)):
+        layout = DintIntegralLayout.build(None, None, None, 1, 8, torch.device(DEVICE))
+        with torch.set_grad_enabled(grad_mode):
+            integral(signal, noise, torch.tensor(0.5, device=DEVICE), layout, nn.Identity())
+        assert layout.implementation == expected
+
+
+def test_the_kernel_steps_aside_where_it_cannot_compute_the_call(kernel_calls, monkeypatch):
+    """Forced, the kernel leaves to the eager ops, with their output, every call it cannot compute (`kernel_takes`, per
+    call): a caller that normalizes itself (no head norm), a head norm with hooks or one that is not plain RMSNorm
+    (LayerNorm, an RMSNorm subclass with a forward of its own), lambda on another device; and the plan gives requests
+    packed into one row (continuous batching) the eager ops. DINT's own head norm is fused."""
     from modeling_dint.modeling_dint import DintHeadRMSNorm
 
     class ScaledRMSNorm(nn.RMSNorm):
         def forward(self, hidden_states):
             return 2 * super().forward(hidden_states)
 
-    monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "triton")
     integral = DintIntegral("mean", layer_idx=0)
-    attention_output = torch.randn(1, 8, 4, 16, device=DEVICE)
-    signal, noise = attention_output.chunk(2, dim=2)
-    layout = DintIntegralLayout.build(None, None, None, 1, 8, torch.device(DEVICE))
+    signal, noise = torch.randn(1, 8, 4, 16, device=DEVICE).chunk(2, dim=2)
     lambda_ = torch.tensor(0.5, device=DEVICE)
 
-    def kernel(norm, signal=signal, noise=noise, lambda_=lambda_, layout=layout):
-        return integral.kernel_for(signal, noise, lambda_, layout, None, norm.to(DEVICE))
+    def call(head_norm, kernel):
+        monkeypatch.setenv("DINT_INTEGRAL_KERNEL", kernel)
+        layout = DintIntegralLayout.build(None, None, None, 1, 8, torch.device(DEVICE))
+        with torch.no_grad():
+            output = integral(signal, noise, lambda_, layout, head_norm)
+        assert layout.implementation == (TRITON_KERNEL if kernel == "triton" else EAGER)
+        return output
 
-    assert kernel(DintHeadRMSNorm(16)) == "triton" and kernel(nn.RMSNorm(16)) == "triton"
-    assert kernel(nn.LayerNorm(16)) == "eager" and kernel(ScaledRMSNorm(16)) == "eager"
-    hooked = nn.RMSNorm(16)
-    hooked.register_full_backward_hook(lambda *args: None)
-    assert kernel(hooked) == "eager"
-    assert kernel(nn.Identity(), signal=signal.double(), noise=noise.double()) == "eager"
-    assert kernel(nn.Identity(), lambda_=torch.tensor(0.5, device="meta")) == "eager"
-    packed = DintIntegralLayout.for_packed_requests(torch.arange(8)[None], torch.tensor([0, 3, 8]))
-    assert kernel(nn.Identity(), layout=packed.to(DEVICE)) == "eager"
+    for head_norm in (DintHeadRMSNorm(16), nn.RMSNorm(16)):
+        head_norm = head_norm.to(DEVICE)
+        assert kernel_takes(signal, noise, lambda_, head_norm, signal.dtype)
+        launches = len(kernel_calls)
+        assert_close(call(head_norm, "triton"), call(head_norm, "eager"), torch.float32)
+        assert len(kernel_calls) == launches + 1
+    forward_hooked, backward_hooked = nn.RMSNorm(16), nn.RMSNorm(16)
+    forward_hooked.register_forward_hook(lambda module, args, output: 2 * output)
+    backward_hooked.register_full_backward_hook(lambda *args: None)
+    launches = len(kernel_calls)
+    for head_norm in (None, nn.LayerNorm(16), ScaledRMSNorm(16), forward_hooked, backward_hooked):
+        head_norm = None if head_norm is None else head_norm.to(DEVICE)
+        assert not kernel_takes(signal, noise, lambda_, head_norm, signal.dtype)
+        assert_close(call(head_norm, "triton"), call(head_norm, "eager"), torch.float32)
+    assert len(kernel_calls) == launches
+    assert not kernel_takes(signal, noise, torch.tensor(0.5, device="meta"), nn.Identity(), signal.dtype)
+    monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "triton")
+    packed = DintIntegralLayout.for_packed_requests(torch.arange(8)[None], torch.tensor([0, 3, 8])).to(DEVICE)
+    plan_integral(packed, None, torch.device(DEVICE), torch.float32, signal.numel(), False, False)
+    assert packed.implementation == EAGER
 
 
 def test_forcing_triton_on_cpu_without_the_interpreter_fails_clearly(tmp_path):
@@ -421,4 +476,4 @@ def test_a_bare_dynamic_cache_still_gets_the_state_checked(kernel_calls):
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 9), device=DEVICE), **with_cache(cache))
     assert len(kernel_calls) == model.config.num_hidden_layers
-    assert carried_state(cache, 0, SIGNAL_SUM).shape == (1, 2, 32)
+    assert cache.layers[0].signal_sum.shape == (1, 2, 32)
