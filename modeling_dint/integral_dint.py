@@ -528,7 +528,7 @@ def plan_integral(
     dtype: torch.dtype,
     elements: int,
     training: bool,
-    carried_tokens: bool,
+    carried_tokens: bool | torch.Tensor,
     head_norm: bool = False,
 ) -> DintIntegralLayout:
     """The plan every layer's call of one forward runs (written into `layout`): the implementation
@@ -542,7 +542,8 @@ def plan_integral(
     Args:
         elements (`int`): the elements of O1 per layer, `B * T * heads * C`.
         training (`bool`): the model's training mode.
-        carried_tokens (`bool`): whether the holder carries sums of earlier calls.
+        carried_tokens (`bool`, or a bool `torch.Tensor` where a static cache's length is one): whether the holder
+            carries sums of earlier calls.
         head_norm (`bool`): whether the layers normalize each head (`config.head_norm`).
     """
     compiling, gradient = torch.compiler.is_compiling(), torch.is_grad_enabled()
@@ -550,7 +551,7 @@ def plan_integral(
     layout.plan_inputs = (requested_integral_kernel(), dtype, elements, gradient, training, compiling)
     implementation = choose_implementation(device, *layout.plan_inputs, layout.carry_per_row, state)
     layout.decoding_step = (
-        carried_tokens
+        carried_tokens is not False  # (a static cache's length may be a tensor: its rows' factor then decides)
         and implementation != TRITON_KERNEL
         and not (implementation == CPU_KERNEL and head_norm)
         and not (compiling or gradient or layout.carry_per_row)
