@@ -1,6 +1,6 @@
-"""Every vLLM internal `modeling_dint/vllm/modeling_dint_vllm.py` uses (its `VLLM_INTERNALS`), checked against the
-installed vLLM: a vLLM release that moves one fails here, by name, before any model runs. Also the plugin's entry
-point and the load-time refusals.
+"""Every vLLM internal `modeling_dint/integrations/vllm/modeling_dint_vllm.py` uses (its `VLLM_INTERNALS`), checked
+against the installed vLLM: a vLLM release that moves one fails here, by name, before any model runs. Also the plugin's
+entry point and the load-time refusals.
 
 Needs vLLM in the python that runs it (`.ci/vllm_env.py`, `.ci/run`'s vLLM stage); skipped elsewhere.
 """
@@ -23,8 +23,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from modeling_dint import DintConfig  # noqa: E402
 from modeling_dint.transformers_compat import installed_release  # noqa: E402
-from modeling_dint.vllm import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, register  # noqa: E402
-from modeling_dint.vllm import modeling_dint_vllm as dint_vllm  # noqa: E402
+from modeling_dint.integrations.vllm import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, register  # noqa: E402
+from modeling_dint.integrations.vllm import modeling_dint_vllm as dint_vllm  # noqa: E402
 
 
 def parameters(function) -> set[str]:
@@ -45,8 +45,9 @@ def test_written_for_the_installed_release():
 
     written_for = ", ".join(f"{major}.{minor}" for major, minor in dint_vllm.WRITTEN_FOR_VLLM)
     assert installed_release(vllm.__version__)[:2] in dint_vllm.WRITTEN_FOR_VLLM, (
-        f"modeling_dint/vllm/modeling_dint_vllm.py was written for vLLM {written_for}; {vllm.__version__} is "
-        "installed: check each entry of VLLM_INTERNALS (this file's tests name what moved), then add the release"
+        f"modeling_dint/integrations/vllm/modeling_dint_vllm.py was written for vLLM {written_for}; "
+        f"{vllm.__version__} is installed: check each entry of VLLM_INTERNALS (this file's tests name what moved), "
+        "then add the release"
     )
 
 
@@ -143,7 +144,7 @@ def test_plugin_entry_point_registers_the_architecture():
     from vllm import ModelRegistry
 
     entry_points = {entry.name: entry.value for entry in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert entry_points.get("dint") == "modeling_dint.vllm:register", entry_points
+    assert entry_points.get("dint") == "modeling_dint.integrations.vllm:register", entry_points
     register()
     register()  # idempotent: vLLM calls it in each process, sometimes twice
     assert VLLM_ARCHITECTURE in ModelRegistry.get_supported_archs()

@@ -68,10 +68,10 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from ..configuration_dint import DintConfig
-from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
-from ..integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
-from ..modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
+from ...configuration_dint import DintConfig
+from ...integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
+from ...integral_dint import DintIntegral, DintIntegralLayout, packed_request_rows
+from ...modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
 
 
 WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
@@ -749,7 +749,7 @@ class DintModel(LlamaModel):
 
 class DintForCausalLM(nn.Module):
     """DINT Transformer (arXiv 2501.17486) for vLLM: registered for `architectures: ["DintForCausalLM"]` by the
-    package's `vllm.general_plugins` entry point (`modeling_dint.vllm.register`)."""
+    package's `vllm.general_plugins` entry point (`modeling_dint.integrations.vllm.register`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
