@@ -57,21 +57,20 @@ IMPORT_SIDE_EFFECTS_SCRIPT = textwrap.dedent(
     answers = [added[0].find_spec(name) for name in ("json", "modeling_dint.integrations", "modeling_dint.servings")]
     import email.mime.text  # an import after it goes on as before
     print(json.dumps({"added": [type(finder).__name__ for finder in added], "kept": kept,
-                      "answers": [answer is None for answer in answers], "triton": "triton" in sys.modules}))
+                      "answers": [answer is None for answer in answers]}))
     """
 )
 
 
 def test_importing_the_package_adds_one_finder_that_answers_for_the_old_paths_only():
     """Importing the package changes nothing of other libraries' imports: it adds one finder to `sys.meta_path`, which
-    answers None for every name but the old paths, and leaves the other finders in their order; Triton is not
-    imported (it is on the first call of its kernel)."""
+    answers None for every name but the old paths, and leaves the other finders in their order."""
     environment = {**os.environ, "PYTHONPATH": REPO_ROOT}
     result = subprocess.run([sys.executable, "-c", IMPORT_SIDE_EFFECTS_SCRIPT], capture_output=True, text=True,
                             env=environment, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"added": ["MovedToolsFinder"], "kept": True, "answers": [True, True, True], "triton": False}
+    assert report == {"added": ["MovedToolsFinder"], "kept": True, "answers": [True, True, True]}
 
 
 def setup_entry_points() -> tuple[dict, list]:
