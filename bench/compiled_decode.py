@@ -66,7 +66,7 @@ def compiled_generate(model, input_ids, attention_mask, cache, new_tokens: int, 
     """Greedy generate() with the static `cache` (reset first) and the compiled decode step."""
     from transformers import CompileConfig, LogitsProcessorList
 
-    from modeling_dint.release_bridges import compile_on_every_device
+    from modeling_dint.integrations.release_bridges import compile_on_every_device
 
     compile_config = compile_on_every_device(CompileConfig(fullgraph=True, dynamic=False))  # the CPU included
     cache.reset()

@@ -35,7 +35,7 @@ def child(paths: dict, prompt_tokens: int, new_tokens: int, rounds: int, request
     import torch
     from vllm import LLM, SamplingParams
 
-    from modeling_dint.vllm import modeling_dint_vllm
+    from modeling_dint.integrations.vllm import modeling_dint_vllm
 
     op_seconds = [0.0]
     integral_output = modeling_dint_vllm.integral_output

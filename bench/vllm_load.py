@@ -165,7 +165,7 @@ def start_vllm_server(python: str, model: str, log_path: str) -> tuple[subproces
 def start_dint_serve(python: str, model: str, args, directory: str, log_path: str) -> tuple[subprocess.Popen, str]:
     """`dint-serve --continuous-batching` for `model`, run by `python` (this one, or --dint-serve-python's)."""
     port = free_port()
-    command = [python, "-m", "modeling_dint.serve_cli", model, "--host", "127.0.0.1", "--port", str(port),
+    command = [python, "-m", "modeling_dint.integrations.serve_cli", model, "--host", "127.0.0.1", "--port", str(port),
                "--continuous-batching", "--cb-num-blocks", str(args.cb_num_blocks),
                "--cb-max-batch-tokens", str(args.cb_max_batch_tokens), "--log-level", "error"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=os.path.join(directory, "hub-cache"))

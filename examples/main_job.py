@@ -53,7 +53,7 @@ import torch
 import transformers
 
 from modeling_dint import DintConfig, DintForCausalLM, preset_names, save_dint_for_hub
-from modeling_dint.hub import REMOTE_CODE_FILES
+from modeling_dint import REMOTE_CODE_FILES
 from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
 

@@ -23,7 +23,7 @@ This file travels with the remote code (`save_pretrained`): it imports nothing b
 where the plan takes its kernel).
 """
 
-import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -443,10 +443,11 @@ def requested_integral_kernel() -> str:
 
 def _triton_kernel_module():
     """`integral_triton_kernel`, imported where a forward may take it (Triton reads `TRITON_INTERPRET` when it is
-    imported, so `import modeling_dint` does not import it)."""
-    from . import integral_triton_kernel  # noqa: PLC0415
+    imported, so `import modeling_dint` does not import it). Written `from .x import y`, the form transformers'
+    remote-code loaders follow."""
+    from .integral_triton_kernel import triton_integral  # noqa: PLC0415
 
-    return integral_triton_kernel
+    return sys.modules[triton_integral.__module__]
 
 
 def choose_implementation(

@@ -17,7 +17,15 @@ transformers and its sibling files.
 """
 
 # First: on an unsupported transformers this fails with one clear message, before any import from inside it fails.
-from .transformers_compat import CACHE_ARGUMENT, accepts_past_key_values, unwrapped_forward  # noqa: I001
+from .transformers_compat import (  # noqa: I001
+    CACHE_ARGUMENT,
+    LOCAL_REMOTE_CODE_FOLLOWS_IMPORTS,
+    accepts_past_key_values,
+    unwrapped_forward,
+)
+
+import os
+import shutil
 
 import torch
 from torch import nn
@@ -44,13 +52,33 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-# The cache layers and the kernels, imported here although the integral uses them: transformers 5.5 copies only the
-# direct relative imports of the modeling file into a remote-code module (and the layers must register at load).
-from .cache_dint import DintDynamicLayer, DintStaticLayer, check_dint_cache  # noqa: F401
-from .integral_cpu_kernel import integral_kernel  # noqa: F401
+from .cache_dint import check_dint_cache
 from .configuration_dint import BUILT_MODELS, DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
 from .integral_dint import DintIntegral, DintIntegralLayout, DintIntegralState, forward_integral_layout
 from .masking_dint import DINT_QUERY_VALID_KEY, check_padding_mask_length, create_dint_masks, default_position_ids
+
+
+REMOTE_CODE_FILES = (
+    "configuration_dint.py",
+    "modeling_dint.py",
+    "masking_dint.py",
+    "cache_dint.py",
+    "integral_dint.py",
+    "integral_cpu_kernel.py",
+    "integral_triton_kernel.py",
+    "transformers_compat.py",
+)
+"""The files that travel with a checkpoint (remote code): `save_pretrained` copies exactly these beside the weights.
+They are this file and every sibling it and the configuration file reach through relative imports, nothing else
+(tests/test_hub.py fails when a shipped module imports a sibling missing here)."""
+
+if not LOCAL_REMOTE_CODE_FOLLOWS_IMPORTS:
+    # transformers 5.5 to 5.10.0 copy a local folder's remote code by the relative imports written in this file only:
+    # these lines name for them the files above that this file reaches through integral_dint (tests/test_hub.py checks
+    # that every one is named). On later releases nothing here runs, and importing this file does not import Triton.
+    from .cache_dint import DintDynamicLayer  # noqa: F401
+    from .integral_cpu_kernel import integral_kernel  # noqa: F401
+    from .integral_triton_kernel import triton_integral  # noqa: F401
 
 
 class DintRMSNorm(LlamaRMSNorm):
@@ -382,14 +410,20 @@ class DintPreTrainedModel(PreTrainedModel):
         """As `PreTrainedModel.save_pretrained`; the config's `auto_map` names every DINT class, so that each Auto
         class loads the saved model with `trust_remote_code=True` where this package is not installed. The saved
         config has `use_cache: true` whatever the model's is now: Trainer turns the cache off while it trains, and a
-        saved model is for generation and `torch.export` (which refuses a config without caching)."""
+        saved model is for generation and `torch.export` (which refuses a config without caching). The code files
+        beside the weights are `REMOTE_CODE_FILES`, copied here whatever transformers' own import scan finds."""
         self.config.auto_map = {**DINT_AUTO_MAP, **(getattr(self.config, "auto_map", None) or {})}
         use_cache = self.config.use_cache
         self.config.use_cache = True
         try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
+            saved = super().save_pretrained(save_directory, *args, **kwargs)
         finally:
             self.config.use_cache = use_cache
+        if kwargs.get("is_main_process", True):
+            source = os.path.dirname(os.path.abspath(__file__))
+            for name in REMOTE_CODE_FILES:
+                shutil.copyfile(os.path.join(source, name), os.path.join(save_directory, name))
+        return saved
 
 
 @auto_docstring
@@ -491,9 +525,10 @@ class DintForCausalLM(DintPreTrainedModel, GenerationMixin):
 
     def init_continuous_batching(self, *args, **kwargs):
         """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`), each
-        request's integral state beside its paged K/V: `modeling_dint.serving`, of the installed package only."""
+        request's integral state beside its paged K/V: `modeling_dint.integrations.serving`, of the installed package
+        only."""
         try:
-            from modeling_dint.serving import init_continuous_batching
+            from modeling_dint.integrations.serving import init_continuous_batching
         except ImportError as error:
             raise ImportError(
                 "Continuous batching of a DINT model needs the modeling_dint package installed (`pip install -e .` in "

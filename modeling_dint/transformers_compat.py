@@ -3,9 +3,10 @@
 
 This file travels with the remote code (`save_pretrained` copies it beside `modeling_dint.py`), so a checkpoint loads
 with `trust_remote_code=True` on whatever supported transformers a machine has: it holds only what a checkpoint needs
-to load and run. The bridges that only the package's tools, tests and examples need live in `release_bridges.py`
-(`dint-serve`'s in `serve_cli.py`), which do not travel. Each bridge is a named flag, class or function that says the
-releases it serves: when the floor passes them, delete the bridge and use the transformers name directly.
+to load and run. The bridges that only the package's tools, tests and examples need live in
+`integrations/release_bridges.py` (`dint-serve`'s in `integrations/serve_cli.py`), which do not travel. Each bridge is
+a named flag, class or function that says the releases it serves: when the floor passes them, delete the bridge and
+use the transformers name directly.
 `installed_release()` is the one place that reads an installed version (transformers', or a version string given to
 it, such as vLLM's).
 
@@ -68,6 +69,11 @@ check_transformers_version()
 
 from transformers import cache_utils, masking_utils  # noqa: E402  (only on a supported release)
 
+
+LOCAL_REMOTE_CODE_FOLLOWS_IMPORTS = installed_release() >= (5, 10, 1)
+"""Whether transformers, loading remote code from a local folder, copies every file the modeling file reaches through
+relative imports (5.10.1 on). 5.5 to 5.10.0 copy only the files the modeling file imports itself, so `modeling_dint.py`
+names the other files of its `REMOTE_CODE_FILES` for them."""
 
 # --- the cache's keyword: `cache` from 5.24 (transformers renamed `past_key_values`, which it still accepts with a
 # FutureWarning until 5.40), `past_key_values` on 5.5 - 5.23. DINT's own code says `cache`; this bridge serves

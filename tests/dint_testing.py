@@ -121,6 +121,20 @@ def realigned(model):
     return model
 
 
+WITHOUT_THE_PACKAGE = """
+import importlib.abc, sys
+
+class BlockPackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "modeling_dint" or name.startswith("modeling_dint."):
+            raise ImportError("modeling_dint is not installed in this process")
+        return None
+
+sys.meta_path.insert(0, BlockPackage())
+"""
+"""The start of a script that loads remote code in a process of its own: `import modeling_dint` fails there, so the
+model comes from the files saved with the weights."""
+
 TORCHAO_PYTREE_ENUMS = ("KernelPreference", "ScaleCalculationMode")
 """The Enum classes torchao 0.18 (the `quantization` extra) registers as pytree constants when it is imported
 (`torchao.quantization.quantize_.common.kernel_preference`, `torchao.prototype.mx_formats.config`): torch 2.13 logs

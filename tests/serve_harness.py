@@ -52,13 +52,14 @@ class DintServer:
 
 def launch_dint_serve(model: str, *flags: str, host: str = "127.0.0.1", port: int | None = None,
                       env: dict | None = None) -> DintServer:
-    """Starts `dint-serve MODEL FLAGS...` (`python -m modeling_dint.serve_cli`), on a free port by default, without
-    waiting for it: several servers can start at once, then each `wait_until_healthy()`."""
+    """Starts `dint-serve MODEL FLAGS...` (`python -m modeling_dint.integrations.serve_cli`), on a free port by
+    default, without waiting for it: several servers can start at once, then each `wait_until_healthy()`."""
     if port is None:
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "modeling_dint.serve_cli", model, "--host", host, "--port", str(port), *flags]
+    command = [sys.executable, "-m", "modeling_dint.integrations.serve_cli", model, "--host", host, "--port", str(port),
+               *flags]
     output_file = tempfile.TemporaryFile("w+", encoding="utf-8")
     process = subprocess.Popen(command, env=env, stdout=output_file, stderr=subprocess.STDOUT, text=True)
     return DintServer(process, f"http://{host}:{port}", output_file)

@@ -21,7 +21,7 @@ from modeling_dint import (
     DintForTokenClassification,
     DintModel,
 )
-from modeling_dint.release_bridges import compile_on_every_device
+from modeling_dint.integrations.release_bridges import compile_on_every_device
 
 
 MODEL_CLASSES = [DintModel, DintForCausalLM, DintForSequenceClassification, DintForTokenClassification,

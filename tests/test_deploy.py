@@ -14,7 +14,7 @@ from dint_testing import V2, cache_of, tiny_model
 from transformers import AutoTokenizer, CompileConfig, GenerationConfig
 
 from modeling_dint import DintConfig, DintForCausalLM, integral_state_buffers
-from modeling_dint.release_bridges import compile_on_every_device
+from modeling_dint.integrations.release_bridges import compile_on_every_device
 
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data")

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
 from modeling_dint import DintConfig, DintForCausalLM
-from modeling_dint.release_bridges import activation_checkpointing_arguments
+from modeling_dint.integrations.release_bridges import activation_checkpointing_arguments
 
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data")

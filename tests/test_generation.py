@@ -9,7 +9,7 @@ from dint_testing import LAYOUTS, cache_of, left_padded_batch, tiny_model, with_
 from transformers import DynamicCache, StaticCache
 
 from modeling_dint import DintDynamicLayer, dint_attention_map
-from modeling_dint.release_bridges import GENERATE_RECORDS_PAST_FOR_CROP
+from modeling_dint.integrations.release_bridges import GENERATE_RECORDS_PAST_FOR_CROP
 
 
 INTEGRALS = ["mean", "softmax"]

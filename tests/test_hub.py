@@ -6,6 +6,7 @@ The loading process cannot import `modeling_dint` (a meta-path finder refuses it
 code that travelled with the weights.
 """
 
+import ast
 import json
 import os
 import re
@@ -15,12 +16,14 @@ import yaml
 
 from dint_testing import tiny_model
 from hub_server import HubServer, run_client
-from modeling_dint import DintConfig, dint_model_card, hub, release_bridges, save_dint_for_hub, serve_cli
+import modeling_dint
+from modeling_dint import DintConfig, dint_model_card, save_dint_for_hub
+from modeling_dint.integrations import release_bridges, serve_cli
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER_DIR = os.path.join(REPO_ROOT, "examples", "data", "tokenizer")
-REMOTE_CODE_FILES = set(hub.REMOTE_CODE_FILES)
+REMOTE_CODE_FILES = set(modeling_dint.REMOTE_CODE_FILES)
 DEVELOPMENT_BRIDGES = (*release_bridges.__all__, "SERVE_LISTS_THE_SERVED_MODEL")
 """The bridges between transformers releases that only the package's tools, tests and recipes use (`dint-serve`'s
 lives in serve_cli.py): none of them travels with a checkpoint."""
@@ -112,6 +115,67 @@ def test_remote_code_carries_no_development_bridges(tmp_path):
     assert not imports, imports
 
 
+def sibling_imports(path) -> set[str]:
+    """The sibling files a module imports (`from .x import y`, `from . import x`), read from its syntax tree: every
+    import of the module, at its top or inside a function."""
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            assert node.level == 1, f"{path}: a remote-code module imports from above its folder (line {node.lineno})"
+            modules = [node.module] if node.module else [alias.name for alias in node.names]
+            names.update(f"{module.split('.')[0]}.py" for module in modules)
+    return names
+
+
+def test_remote_code_files_are_every_sibling_the_shipped_modules_import():
+    """`REMOTE_CODE_FILES` is the configuration and modeling files and every sibling they reach through imports, and
+    nothing else: a shipped module that imports a file missing from it fails here (the remote code would not load);
+    transformers' own scan (`get_relative_import_files`, what its loader copies) finds the same files."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    package = os.path.dirname(modeling_dint.__file__)
+    reached, to_read = set(), ["configuration_dint.py", "modeling_dint.py"]
+    while to_read:
+        name = to_read.pop()
+        if name not in reached:
+            reached.add(name)
+            to_read.extend(sibling_imports(os.path.join(package, name)))
+    assert reached == REMOTE_CODE_FILES, f"missing {reached - REMOTE_CODE_FILES}, unused {REMOTE_CODE_FILES - reached}"
+    scanned = {os.path.basename(path) for entry in ("configuration_dint.py", "modeling_dint.py")
+               for path in get_relative_import_files(os.path.join(package, entry))}
+    assert scanned | {"configuration_dint.py", "modeling_dint.py"} == REMOTE_CODE_FILES
+
+
+def test_remote_code_names_every_file_for_the_loaders_that_read_one_file():
+    """transformers 5.5 to 5.10.0 load a local folder's remote code with the files that `modeling_dint.py` imports
+    itself (`get_relative_imports`, no recursion): it names every other file of `REMOTE_CODE_FILES`."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    modeling_file = os.path.join(os.path.dirname(modeling_dint.__file__), "modeling_dint.py")
+    named = {f"{name}.py" for name in get_relative_imports(modeling_file)} | {"modeling_dint.py"}
+    assert named == REMOTE_CODE_FILES, REMOTE_CODE_FILES - named
+
+
+def test_save_pretrained_writes_the_declared_files_whatever_transformers_scan_finds(tmp_path, monkeypatch):
+    """The files beside the weights come from `REMOTE_CODE_FILES`, not from transformers' import scan: with a scan
+    that finds no sibling, the folder still holds them all, and a model loads from it."""
+    from transformers import AutoModelForCausalLM
+    from transformers import dynamic_module_utils
+
+    monkeypatch.setattr(dynamic_module_utils, "get_relative_import_files", lambda module_file: [])
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    assert {path.name for path in tmp_path.glob("*.py")} == REMOTE_CODE_FILES
+    package = os.path.dirname(modeling_dint.__file__)
+    for name in REMOTE_CODE_FILES:
+        with open(os.path.join(package, name), encoding="utf-8") as handle:
+            assert (tmp_path / name).read_text(encoding="utf-8") == handle.read(), name
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(reloaded.state_dict()[name].equal(tensor) for name, tensor in model.state_dict().items())
+
+
 def test_the_docs_name_the_code_files_that_travel_with_a_model(tmp_path):
     """docs/hub.md and the README's layout name exactly the files `save_pretrained` writes beside the weights (issue
     50: they said three and five while six travel; eight since the Triton kernel and the masks' own file, issue 49)."""
@@ -123,7 +187,7 @@ def test_the_docs_name_the_code_files_that_travel_with_a_model(tmp_path):
     assert "the eight code files that `save_pretrained` writes" in hub_page
     assert all(f"`{name}`" in hub_page for name in saved)
     with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as handle:
-        layout = handle.read().split("## Layout", 1)[1].split("vllm/:", 1)[0]
+        layout = handle.read().split("## Layout", 1)[1].split("integrations/:", 1)[0]
     assert set(re.findall(r"\w+\.py", layout)) == saved and "the eight files" in layout
 
 

@@ -12,7 +12,7 @@ import torch
 import yaml
 from dint_testing import without_torchao_import_lines
 
-from modeling_dint.hub import REMOTE_CODE_FILES
+from modeling_dint import REMOTE_CODE_FILES
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,15 @@ import textwrap
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from dint_testing import LAYOUTS, assert_equal_to_rounding, left_padded_batch, realigned, tiny_config, tiny_model
+from dint_testing import (
+    LAYOUTS,
+    WITHOUT_THE_PACKAGE,
+    assert_equal_to_rounding,
+    left_padded_batch,
+    realigned,
+    tiny_config,
+    tiny_model,
+)
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -28,7 +36,7 @@ from modeling_dint import (
     DintModel,
 )
 from modeling_dint.configuration_dint import depth_lambda_init
-from modeling_dint.release_bridges import enable_activation_checkpointing
+from modeling_dint.integrations.release_bridges import enable_activation_checkpointing
 
 
 @pytest.mark.parametrize(
@@ -165,17 +173,9 @@ def test_save_pretrained_writes_remote_code(tmp_path):
         assert (tmp_path / name).exists(), name
 
 
-REMOTE_CODE_SCRIPT = textwrap.dedent(
+REMOTE_CODE_SCRIPT = WITHOUT_THE_PACKAGE + textwrap.dedent(
     """
-    import importlib.abc, json, sys
-
-    class BlockPackage(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "modeling_dint" or name.startswith("modeling_dint."):
-                raise ImportError("modeling_dint is not installed in this process")
-            return None
-
-    sys.meta_path.insert(0, BlockPackage())
+    import json, sys
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

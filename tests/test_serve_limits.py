@@ -206,8 +206,8 @@ def test_continuous_batching_refuses_a_softmax_dint_at_start_up(model_paths):
 
 
 def test_help_describes_dint_serve_and_keeps_transformers_flags():
-    result = subprocess.run([sys.executable, "-m", "modeling_dint.serve_cli", "--help"], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run([sys.executable, "-m", "modeling_dint.integrations.serve_cli", "--help"],
+                            capture_output=True, text=True, check=True)
     help_text = result.stdout
     for phrase in ("DINT", "continuous-batching", "integral", "400", "max_position_embeddings", "paged cache",
                    "max_tokens"):
@@ -219,7 +219,7 @@ def test_help_describes_dint_serve_and_keeps_transformers_flags():
 
 def test_importing_serve_cli_changes_nothing_in_transformers():
     """dint-serve adapts transformers' serving app only when its `main()` runs (no test runs it in this process)."""
-    import modeling_dint.serve_cli  # noqa: F401
+    import modeling_dint.integrations.serve_cli  # noqa: F401
     from transformers.cli.serving import model_manager, server, utils
 
     assert model_manager.transformers is transformers
@@ -236,7 +236,7 @@ def test_the_cpu_kernel_is_built_before_the_server_starts(monkeypatch, continuou
     import transformers.cli.serve
 
     import modeling_dint.integral_cpu_kernel as kernel_module
-    from modeling_dint import serve_cli
+    from modeling_dint.integrations import serve_cli
 
     started = []
 

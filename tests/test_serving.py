@@ -1,6 +1,6 @@
 """Continuous batching (`generate_batch`, the continuous-batching manager): each request gets exactly what it gets
-alone, and the transformers internals the integration depends on (modeling_dint/serving.py) are what it was written
-against."""
+alone, and the transformers internals the integration depends on (modeling_dint/integrations/serving.py) are what it
+was written against."""
 
 import inspect
 
@@ -10,8 +10,9 @@ import transformers
 from packaging.version import Version
 
 
-# Serving is integrated for transformers 5.24 (modeling_dint/serving.py): older releases skip these tests; a newer one
-# runs them, and test_transformers_internals_are_those_serving_was_written_for fails until the module is ported.
+# Serving is integrated for transformers 5.24 (modeling_dint/integrations/serving.py): older releases skip these tests;
+# a newer one runs them, and test_transformers_internals_are_those_serving_was_written_for fails until the module is
+# ported.
 if Version(transformers.__version__) < Version("5.24"):
     pytest.skip(
         f"continuous batching is integrated for transformers >= 5.24 (installed: {transformers.__version__})",
@@ -27,7 +28,7 @@ from transformers.generation.continuous_batching.cache_allocators import (  # no
     FullAttentionCacheAllocator,
 )
 
-from modeling_dint import serving  # noqa: E402
+from modeling_dint.integrations import serving  # noqa: E402
 from modeling_dint.transformers_compat import installed_release  # noqa: E402
 
 
@@ -180,8 +181,8 @@ def test_softmax_integral_refuses_continuous_batching_before_any_request():
 
 
 def test_transformers_internals_are_those_serving_was_written_for():
-    """Fails loudly when transformers changes what modeling_dint/serving.py relies on: then re-read the internals
-    listed in `serving.TRANSFORMERS_INTERNALS` and port the module."""
+    """Fails loudly when transformers changes what modeling_dint/integrations/serving.py relies on: then re-read the
+    internals listed in `serving.TRANSFORMERS_INTERNALS` and port the module."""
     assert installed_release()[:2] in serving.WRITTEN_FOR_TRANSFORMERS, (
         f"serving.py was written for transformers {serving.WRITTEN_FOR_TRANSFORMERS}; {transformers.__version__} is "
         "installed: check every entry of serving.TRANSFORMERS_INTERNALS, then add the release to WRITTEN_FOR_TRANSFORMERS."

@@ -1,5 +1,6 @@
 """The transformers internals `modeling_dint/transformers_compat.py` (the model's bridges, remote code) and
-`modeling_dint/release_bridges.py` (the tools', tests' and recipes' bridges) rely on, checked on the installed release.
+`modeling_dint/integrations/release_bridges.py` (the tools', tests' and recipes' bridges) rely on, checked on the
+installed release.
 
 Each failure names the symbol and the releases the bridge was written for: a new transformers release that moves one
 of them fails here first, with the name to look at, instead of somewhere inside a DINT forward or a remote-code load.
@@ -18,7 +19,8 @@ import transformers
 from dint_testing import cache_of, left_padded_batch, tiny_config, tiny_model, with_cache
 from transformers import StaticCache, cache_utils
 
-from modeling_dint import DintDynamicLayer, DintForCausalLM, DintStaticLayer, release_bridges
+from modeling_dint import DintDynamicLayer, DintForCausalLM, DintStaticLayer
+from modeling_dint.integrations import release_bridges
 from modeling_dint.configuration_dint import V1_TP_PLAN, V2_TP_PLAN
 from modeling_dint import transformers_compat as compat
 

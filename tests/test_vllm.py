@@ -1,7 +1,7 @@
-"""DINT on vLLM (modeling_dint/vllm/): vLLM's greedy tokens and log-probabilities equal transformers' `generate()` and
-one transformers forward, through decoding, chunked prefill, prefix caching, preemption and tensor parallel 2; the
-negative control (the integral state dropped) differs; bf16 runs; integral "softmax" is refused at load; the OpenAI
-server answers the official `openai` client.
+"""DINT on vLLM (modeling_dint/integrations/vllm/): vLLM's greedy tokens and log-probabilities equal transformers'
+`generate()` and one transformers forward, through decoding, chunked prefill, prefix caching, preemption and tensor
+parallel 2; the negative control (the integral state dropped) differs; bf16 runs; integral "softmax" is refused at load;
+the OpenAI server answers the official `openai` client.
 
 These tests need vLLM in the python that runs them: `.ci/vllm_env.py` builds (once) and prints the virtualenv with
 vLLM's CPU build, and `.ci/run`'s vLLM stage runs this file with it. Elsewhere (the default suite) they are skipped.
@@ -265,7 +265,7 @@ def test_waves_read_what_the_earlier_wave_stored():
 
     from modeling_dint import integral_cpu_kernel
     from modeling_dint.integral_dint import DintIntegral
-    from modeling_dint.vllm.modeling_dint_vllm import VllmStepRows, step_integral
+    from modeling_dint.integrations.vllm.modeling_dint_vllm import VllmStepRows, step_integral
 
     torch.manual_seed(0)
     block_size, heads, channels = 4, 2, 8
@@ -331,7 +331,7 @@ HAS_TOOLCHAIN = shutil.which("c++") is not None and shutil.which("ninja") is not
 
 def torch_step_rows(positions, query_start_loc, slot_mapping, block_table, block_size, one_row_each=False):
     """`VllmStepRows` from vLLM's metadata, as `vllm_step_rows` builds them off CPU."""
-    from modeling_dint.vllm.modeling_dint_vllm import VllmStepRows
+    from modeling_dint.integrations.vllm.modeling_dint_vllm import VllmStepRows
 
     cu_seq_lens_q = query_start_loc.long()
     first_positions = positions[cu_seq_lens_q[:-1].clamp(max=positions.shape[0] - 1)]
@@ -360,7 +360,7 @@ def test_prepared_step_rows_equal_the_torch_rows():
     slots, and the eager path's layout, stores and carried blocks, over random steps of prefills, chunks and decodes
     (block table in vLLM's int32), and rows past the last request; a step with a same-step writer (random steps over a
     small pool of shared blocks) is left to the torch rows and their waves, exactly where those have waves."""
-    from modeling_dint.vllm.modeling_dint_vllm import PreparedStepRows, VllmStepRows
+    from modeling_dint.integrations.vllm.modeling_dint_vllm import PreparedStepRows, VllmStepRows
 
     generator = torch.Generator().manual_seed(0)
     block_size, blocks_per_request = 4, 6

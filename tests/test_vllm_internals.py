@@ -1,6 +1,6 @@
-"""Every vLLM internal `modeling_dint/vllm/modeling_dint_vllm.py` uses (its `VLLM_INTERNALS`), checked against the
-installed vLLM: a vLLM release that moves one fails here, by name, before any model runs. Also the plugin's entry
-point and the load-time refusals.
+"""Every vLLM internal `modeling_dint/integrations/vllm/modeling_dint_vllm.py` uses (its `VLLM_INTERNALS`), checked
+against the installed vLLM: a vLLM release that moves one fails here, by name, before any model runs. Also the plugin's
+entry point and the load-time refusals.
 
 Needs vLLM in the python that runs it (`.ci/vllm_env.py`, `.ci/run`'s vLLM stage); skipped elsewhere.
 """
@@ -23,8 +23,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from modeling_dint import DintConfig  # noqa: E402
 from modeling_dint.transformers_compat import installed_release  # noqa: E402
-from modeling_dint.vllm import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, register  # noqa: E402
-from modeling_dint.vllm import modeling_dint_vllm as dint_vllm  # noqa: E402
+from modeling_dint.integrations.vllm import VLLM_ARCHITECTURE, VLLM_MODEL_CLASS, register  # noqa: E402
+from modeling_dint.integrations.vllm import modeling_dint_vllm as dint_vllm  # noqa: E402
 
 
 def parameters(function) -> set[str]:
@@ -45,8 +45,9 @@ def test_written_for_the_installed_release():
 
     written_for = ", ".join(f"{major}.{minor}" for major, minor in dint_vllm.WRITTEN_FOR_VLLM)
     assert installed_release(vllm.__version__)[:2] in dint_vllm.WRITTEN_FOR_VLLM, (
-        f"modeling_dint/vllm/modeling_dint_vllm.py was written for vLLM {written_for}; {vllm.__version__} is "
-        "installed: check each entry of VLLM_INTERNALS (this file's tests name what moved), then add the release"
+        f"modeling_dint/integrations/vllm/modeling_dint_vllm.py was written for vLLM {written_for}; "
+        f"{vllm.__version__} is installed: check each entry of VLLM_INTERNALS (this file's tests name what moved), "
+        "then add the release"
     )
 
 
@@ -143,7 +144,7 @@ def test_plugin_entry_point_registers_the_architecture():
     from vllm import ModelRegistry
 
     entry_points = {entry.name: entry.value for entry in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert entry_points.get("dint") == "modeling_dint.vllm:register", entry_points
+    assert entry_points.get("dint") == "modeling_dint.integrations.vllm:register", entry_points
     register()
     register()  # idempotent: vLLM calls it in each process, sometimes twice
     assert VLLM_ARCHITECTURE in ModelRegistry.get_supported_archs()
@@ -154,9 +155,9 @@ def test_qkv_rows_keep_each_pair_on_one_rank():
     """GQA (8 maps over 4 KV heads, g = 2), two ranks: rank r holds KV pair r, i.e. KV heads r and r + 2, the signal
     maps 2r, 2r+1 that read KV head r and the noise maps 4+2r, 4+2r+1 that read KV head r + 2."""
     config = DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
-    assert dint_vllm.local_qkv_rows(config, 0, 2) == ([0, 1, 4, 5], [0, 2])
-    assert dint_vllm.local_qkv_rows(config, 1, 2) == ([2, 3, 6, 7], [1, 3])
-    assert dint_vllm.local_qkv_rows(config, 0, 1) == ([0, 1, 4, 5, 2, 3, 6, 7], [0, 2, 1, 3])
+    assert dint_vllm.DintVllmV1Attention.local_qkv_rows(config, 0, 2) == ([0, 1, 4, 5], [0, 2])
+    assert dint_vllm.DintVllmV1Attention.local_qkv_rows(config, 1, 2) == ([2, 3, 6, 7], [1, 3])
+    assert dint_vllm.DintVllmV1Attention.local_qkv_rows(config, 0, 1) == ([0, 1, 4, 5, 2, 3, 6, 7], [0, 2, 1, 3])
 
 
 def test_v2_qkv_rows_are_llamas_contiguous_blocks():
@@ -164,9 +165,18 @@ def test_v2_qkv_rows_are_llamas_contiguous_blocks():
     heads 4r..4r+3 and KV head r, as Llama's column-parallel q/k/v."""
     config = DintConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                         differential_attention="v2")
-    assert dint_vllm.local_qkv_rows(config, 0, 2) == ([0, 1, 2, 3], [0])
-    assert dint_vllm.local_qkv_rows(config, 1, 2) == ([4, 5, 6, 7], [1])
+    assert dint_vllm.DintVllmV2Attention.local_qkv_rows(config, 0, 2) == ([0, 1, 2, 3], [0])
+    assert dint_vllm.DintVllmV2Attention.local_qkv_rows(config, 1, 2) == ([4, 5, 6, 7], [1])
     assert dint_vllm.integral_state_shape(config, 2) == (2, 32)
+
+
+def test_each_head_layout_has_its_vllm_attention():
+    """The vLLM model builds, for each head layout of the transformers model, its own attention class over the shared
+    base (as `DintV1Attention` / `DintV2Attention`): a new layout added to one side is missing from the other here."""
+    from modeling_dint.modeling_dint import DINT_ATTENTION_CLASSES
+
+    assert set(dint_vllm.VLLM_ATTENTION_CLASSES) == set(DINT_ATTENTION_CLASSES)
+    assert all(issubclass(layout, dint_vllm.DintVllmAttention) for layout in dint_vllm.VLLM_ATTENTION_CLASSES.values())
 
 
 def test_speculative_decoding_and_kv_connectors_refused_at_load():

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from modeling_dint import DintConfig, DintForCausalLM
-from modeling_dint.release_bridges import tensor_parallel_arguments
+from modeling_dint.integrations.release_bridges import tensor_parallel_arguments
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,7 @@ import sys
 def integral_state_dropped(dropped: bool):
     """The negative control (where `dropped`): the integral runs without the state, so each step's running sum
     restarts from zero, the carried state neither read nor written. Restored on exit, for the runs that follow."""
-    from modeling_dint.vllm import modeling_dint_vllm
+    from modeling_dint.integrations.vllm import modeling_dint_vllm
 
     original = modeling_dint_vllm.vllm_integral_step
 
@@ -76,7 +76,7 @@ def integral_kernel_counted(eager: bool):
 def waves_counted():
     """Counts the steps whose integral ran in waves (a request continuing from a block another request of the same
     step completes: `VllmStepRows.waves`)."""
-    from modeling_dint.vllm import modeling_dint_vllm
+    from modeling_dint.integrations.vllm import modeling_dint_vllm
 
     original = modeling_dint_vllm.VllmStepRows._waves
     steps = []

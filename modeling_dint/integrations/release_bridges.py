@@ -15,7 +15,7 @@ import inspect
 
 import transformers
 
-from .transformers_compat import installed_release
+from ..transformers_compat import installed_release
 
 
 # --- assisted and prompt-lookup decoding roll a DINT cache back over the rejected tokens only where `generate()`
@@ -69,7 +69,7 @@ def compile_on_every_device(compile_config):
     if not hasattr(compile_config, "_compile_all_devices"):
         raise AttributeError(
             f"transformers {transformers.__version__} has no `CompileConfig._compile_all_devices`: update "
-            "`modeling_dint.release_bridges.compile_on_every_device`."
+            "`modeling_dint.integrations.release_bridges.compile_on_every_device`."
         )
     compile_config._compile_all_devices = True
     return compile_config

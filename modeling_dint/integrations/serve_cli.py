@@ -48,7 +48,7 @@ import time
 
 import transformers
 
-from .transformers_compat import installed_release
+from ..transformers_compat import installed_release
 
 
 # --- `transformers serve` lists the model it was started with in `/v1/models` from 5.24 (`ModelManager.list_models`);
@@ -123,7 +123,7 @@ def install_serving_model_manager() -> None:
         raise RuntimeError(
             "transformers.cli.serving.model_manager changed (transformers "
             f"{transformers.__version__}): check whether `transformers serve` loads custom models now, and update "
-            "modeling_dint/serve_cli.py."
+            "modeling_dint/integrations/serve_cli.py."
         )
     model_manager.transformers = _ArchitecturesOrAutoModel()
     if SERVE_LISTS_THE_SERVED_MODEL or getattr(model_manager.ModelManager, "lists_served_model", False):
@@ -159,7 +159,7 @@ def continuous_batching_refusal(model_name: str, config) -> str | None:
     if getattr(config, "model_type", None) != "dint":
         return None
     from . import serving
-    from .configuration_dint import DintConfig
+    from ..configuration_dint import DintConfig
 
     try:
         serving.check_transformers_release()
@@ -291,7 +291,7 @@ def install_request_limits() -> None:
     if changed or "generation_state" not in inspect.signature(server.build_server).parameters:
         raise RuntimeError(
             f"transformers.cli.serving changed (transformers {transformers.__version__}): {changed or 'build_server'}"
-            " no longer take what dint-serve's request limits wrap; update modeling_dint/serve_cli.py."
+            " no longer take what dint-serve's request limits wrap; update modeling_dint/integrations/serve_cli.py."
         )
 
     class LimitedGenerateManager(utils.GenerateManager):

@@ -31,10 +31,10 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, FullAttentionCacheAllocator
 
-from .cache_dint import QUERY_COUNT, SIGNAL_SUM
-from .configuration_dint import DINT_LAYER_TYPE
-from .integral_dint import DintIntegralLayout, DintIntegralState, packed_request_rows
-from .transformers_compat import CACHE_ARGUMENT, installed_release
+from ..cache_dint import QUERY_COUNT, SIGNAL_SUM
+from ..configuration_dint import DINT_LAYER_TYPE
+from ..integral_dint import DintIntegralLayout, DintIntegralState, packed_request_rows
+from ..transformers_compat import CACHE_ARGUMENT, installed_release
 
 
 WRITTEN_FOR_TRANSFORMERS = ((5, 24),)
@@ -65,8 +65,8 @@ def check_transformers_release() -> None:
 
         releases = " or ".join(f"{major}.{minor}.x" for major, minor in WRITTEN_FOR_TRANSFORMERS)
         raise RuntimeError(
-            f"DINT's continuous-batching integration (modeling_dint/serving.py) was written for the internals of "
-            f"transformers {releases}; transformers {transformers.__version__} is installed. Install "
+            f"DINT's continuous-batching integration (modeling_dint/integrations/serving.py) was written for the "
+            f"internals of transformers {releases}; transformers {transformers.__version__} is installed. Install "
             f"transformers=={releases.split(' or ')[-1][:-2]}.* to serve DINT with continuous batching, or use "
             "`generate()`."
         )

@@ -20,21 +20,9 @@ import tempfile
 
 from huggingface_hub import HfApi, ModelCardData
 
-from .configuration_dint import DintConfig
+from ..configuration_dint import DintConfig
+from ..modeling_dint import REMOTE_CODE_FILES
 
-
-REMOTE_CODE_FILES = (
-    "configuration_dint.py",
-    "modeling_dint.py",
-    "masking_dint.py",
-    "cache_dint.py",
-    "integral_dint.py",
-    "integral_cpu_kernel.py",
-    "integral_triton_kernel.py",
-    "transformers_compat.py",
-)
-"""The modeling code `save_pretrained` copies beside the weights: the configuration and modeling modules and the
-sibling files they import (tests/test_hub.py checks that a saved folder holds exactly these)."""
 
 DINT_PAPER_ARXIV_ID = "2501.17486"
 """arXiv id of the DINT Transformer paper (Cang et al., 2025)."""

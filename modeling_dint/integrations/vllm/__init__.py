@@ -2,16 +2,16 @@
 """DINT on vLLM, as an out-of-tree model plugin.
 
 `pip install -e ".[vllm]"` in the repository's root (or the CPU build, see the README's "Serving at scale: vLLM")
-installs the `vllm.general_plugins` entry point `dint = modeling_dint.vllm:register`, which vLLM calls in each of its
-processes before it reads a model: then `LLM("path/to/dint-checkpoint")` and vLLM's OpenAI server load a DINT checkpoint
-(`architectures: ["DintForCausalLM"]`) with no user code and without `trust_remote_code`.
+installs the `vllm.general_plugins` entry point `dint = modeling_dint.integrations.vllm:register`, which vLLM calls in
+each of its processes before it reads a model: then `LLM("path/to/dint-checkpoint")` and vLLM's OpenAI server load a
+DINT checkpoint (`architectures: ["DintForCausalLM"]`) with no user code and without `trust_remote_code`.
 
 The model itself is in `modeling_dint_vllm.py` (imported by vLLM when it builds the model, never by this package's
 `import modeling_dint`).
 """
 
 VLLM_ARCHITECTURE = "DintForCausalLM"
-VLLM_MODEL_CLASS = "modeling_dint.vllm.modeling_dint_vllm:DintForCausalLM"
+VLLM_MODEL_CLASS = "modeling_dint.integrations.vllm.modeling_dint_vllm:DintForCausalLM"
 
 
 def register() -> None:

@@ -1,8 +1,10 @@
 # Copyright 2026 The DINT for transformers authors. Licensed under the Apache License, Version 2.0.
 """DINT on vLLM: the model vLLM builds for a checkpoint whose `architectures` is `["DintForCausalLM"]`.
 
-Per layer (docs/design.md sections 1-3, 5 and 10), the layout (`config.differential_attention`) supplies O1, O2 and
-lambda, and the package's own `DintIntegral` (`integral_dint.py`, the code transformers' attention runs) does the rest:
+Per layer (docs/design.md sections 1-3, 5 and 10), the layout (`config.differential_attention`: `DintVllmV1Attention`
+or `DintVllmV2Attention` over the shared `DintVllmAttention`, as `DintV1Attention` / `DintV2Attention` in transformers)
+supplies O1, O2, lambda and the layout of the weights, and the package's own `DintIntegral` (`integral_dint.py`, the
+code transformers' attention runs) does the rest:
 
     O1, O2  = A1 V, A2 V                            one paged attention call (below)
     S_n     = sum over the request's tokens m <= n of O1[m]   (fp32, carried in the tails of the request's KV pages)
@@ -68,9 +70,9 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from ..configuration_dint import DintConfig
-from ..integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
-from ..integral_dint import (
+from ...configuration_dint import DintConfig
+from ...integral_cpu_kernel import integral_kernel, packed_step_rows_kernel
+from ...integral_dint import (
     DintIntegral,
     DintIntegralLayout,
     DintIntegralState,
@@ -78,7 +80,7 @@ from ..integral_dint import (
     packed_requests_kernel,
     takes_cpu_kernel,
 )
-from ..modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
+from ...modeling_dint import DintHeadRMSNorm, DintLambdaGate, reparameterized_lambda
 
 
 WRITTEN_FOR_VLLM = ((0, 32), (0, 33))
@@ -132,30 +134,6 @@ def load_rank_rows(parameter: nn.Parameter, loaded_weight: torch.Tensor, tp_rank
     parameter.data.copy_(loaded_weight.narrow(0, tp_rank * rows, rows))
 
 
-def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
-    """The rows of the checkpoint's q_proj and of k_proj/v_proj (head indices) that rank `tp_rank` holds, in the order
-    its attention reads them.
-
-    v1: for each of its KV head pairs p, the g = H/KV signal maps that score against K_p, then the g noise maps (H/2
-    later) that score against K_(p+KV/2); and K (and V) heads p, p + KV/2. v2: its contiguous block of query heads
-    (whole GQA groups, pairs 2i, 2i+1 included) and of KV heads, as Llama's.
-
-    Returns:
-        (query heads, KV heads), indices into the checkpoint's heads.
-    """
-    if config.differential_attention == "v2":
-        query_block, kv_block = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
-        return (list(range(tp_rank * query_block, (tp_rank + 1) * query_block)),
-                list(range(tp_rank * kv_block, (tp_rank + 1) * kv_block)))
-    pairs = config.num_key_value_heads // 2
-    group = config.num_attention_heads // config.num_key_value_heads
-    half_heads = config.num_attention_heads // 2
-    local_pairs = range(tp_rank * pairs // tp_size, (tp_rank + 1) * pairs // tp_size)
-    query_heads = [half * half_heads + pair * group + i for pair in local_pairs for half in (0, 1) for i in range(group)]
-    kv_heads = [half * pairs + pair for pair in local_pairs for half in (0, 1)]
-    return query_heads, kv_heads
-
-
 class VllmStepRows:
     """What one vLLM step's rows are, the same for every DINT layer (built once per step by `vllm_step_rows`): the
     requests packed into one row, request r owning rows `cu_seq_lens_q[r]:cu_seq_lens_q[r + 1]`; a request whose first
@@ -188,7 +166,7 @@ class VllmStepRows:
         `kernel_slots()`: for the CPU kernel, per row the block it reads before it and the block it stores after it
             (`[1, T]` int64, -1 for none), built on the first call of the step.
         kernel_rows (`tuple` or None): None here; a `PreparedStepRows` (on CPU, with the package's kernel, a step
-            without waves) has the CPU kernel's per-row arguments `[T]` (`DintIntegral.packed_requests_kernel`:
+            without waves) has the CPU kernel's per-row arguments `[T]` (`integral_dint.packed_requests_kernel`:
             inverse count, row flags, carry slot, store slot), so that each layer's op is one kernel call.
     """
 
@@ -583,9 +561,11 @@ class DintIntegralState(nn.Module):
 
 
 class DintVllmAttention(nn.Module):
-    """DINT attention on vLLM's paged attention: the module `LlamaDecoderLayer` builds as its `self_attn`. What both
-    head layouts share (projections, RoPE, the integral, o_proj); the layout (`config.differential_attention`) decides
-    the paged attention's heads and where O1, O2 and lambda come from (`differential_outputs`)."""
+    """DINT attention on vLLM's paged attention: what both head layouts share (projections, RoPE, the integral, the head
+    norm, o_proj). A layout (`DintVllmV1Attention`, `DintVllmV2Attention`, as `DintV1Attention` / `DintV2Attention` in
+    transformers) supplies the paged attention's cache heads (`cache_heads`), lambda (`differential_lambda`), O1 and O2
+    (`differential_outputs`) and the rows of the checkpoint's q/k/v each rank holds (`local_qkv_rows`).
+    `LlamaDecoderLayer` builds the layout's class as its `self_attn` (`VLLM_ATTENTION_CLASSES`)."""
 
     def __init__(
         self,
@@ -607,7 +587,7 @@ class DintVllmAttention(nn.Module):
         config.check_paged_serving()
         config.check_tensor_parallel_heads(tp_size)  # vLLM's QKV layer shards a bias per head: no bias rule here
         self.config = config
-        self.v1 = config.differential_attention == "v1"
+        self.prefix = prefix
         self.head_dim = config.head_dim
         self.num_heads = num_heads // tp_size  # softmax maps (query heads) of this rank
         self.num_kv_heads = num_kv_heads // tp_size
@@ -634,39 +614,12 @@ class DintVllmAttention(nn.Module):
             is_neox_style=True,
         )
         self.integral_state = DintIntegralState(config, vllm_config, prefix=f"{prefix}.integral_state")
-        state_shape = None if config.integral == "none" else integral_state_shape(config, tp_size)
-        if self.v1:
-            # Per KV head pair p: one cache head of 2d channels, K = [K_p | K_(p+KV/2)], V = [V_p | V_(p+KV/2)]
-            self.num_kv_head_pairs = self.num_kv_heads // 2
-            self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
-            self.attn = DintPagedAttention(
-                self.num_heads, 2 * self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_head_pairs,
-                cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
-                integral_state_shape=state_shape,
-            )
-            self.lambda_init = config.lambda_init_for_layer(extract_layer_index(prefix))
-            self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
-            self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
-            self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
-            self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
-            for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
-                parameter.weight_loader = default_weight_loader
-        else:
-            # An ordinary attention layer: 2h query heads of d over the KV heads, Llama's cache
-            self.attn = DintPagedAttention(
-                self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-                cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
-                integral_state_shape=state_shape,
-            )
-            self.lambda_proj = ColumnParallelLinear(
-                hidden_size, config.num_differential_heads, bias=False, quant_config=None, prefix=f"{prefix}.lambda_proj"
-            )
-            self.lambda_gate = None
-            if config.lambda_gate:  # this rank's rows of the gate, as lambda_proj's (ColumnParallelLinear: contiguous)
-                self.lambda_gate = DintLambdaGate(config.num_differential_heads // tp_size)
-                self.lambda_gate.weight.requires_grad_(False)
-                tp_rank = get_tensor_model_parallel_rank()
-                self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=tp_rank)
+        num_cache_heads, cache_head_dim = self.cache_heads()
+        self.attn = DintPagedAttention(
+            self.num_heads, cache_head_dim, self.head_dim**-0.5, num_kv_heads=num_cache_heads,
+            cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn",
+            integral_state_shape=None if config.integral == "none" else integral_state_shape(config, tp_size),
+        )
         self.head_norm = None
         if config.head_norm:
             self.head_norm = DintHeadRMSNorm(
@@ -677,36 +630,14 @@ class DintVllmAttention(nn.Module):
         self.integral_state.use_head_norm(self.head_norm)
         self.integral_state.use_attention(self.attn)
 
-    def differential_outputs(self, hidden_states, query, key, value) -> tuple[torch.Tensor, ...]:
-        """O1, O2 `[T, H/2 / tp, C]` and lambda (v1: a fp32 scalar; v2: `[T, H/2 / tp, 1]` fp32)."""
-        num_tokens = query.shape[0]
-        if not self.v1:  # query heads 2i (signal) and 2i+1 (noise) of one ordinary attention call
-            attn_output = self.attn(query, key, value).view(num_tokens, -1, 2, self.head_dim)
-            lambda_proj, _ = self.lambda_proj(hidden_states)
-            lambda_ = torch.sigmoid(lambda_proj.float())
-            if self.lambda_gate is not None:  # `config.lambda_gate`, as `DintV2Attention.differential_lambda`
-                lambda_ = self.lambda_gate(lambda_)
-            return attn_output[:, :, 0], attn_output[:, :, 1], lambda_.unsqueeze(-1)
-        # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
-        query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
-        wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
-        wide_query[:, :, 0, :, 0] = query[:, :, 0, :, 0]
-        wide_query[:, :, 1, :, 1] = query[:, :, 1, :, 0]
-        attn_output = self.attn(wide_query.reshape(num_tokens, -1), key.contiguous(), value.contiguous())
-        # [T, pairs, 2 (signal, noise), g, 2d] -> O1, O2 [T, H/2, 2d], differential head j = pair * g + i
-        attn_output = attn_output.view(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2 * self.head_dim)
-        signal_output = attn_output[:, :, 0].reshape(num_tokens, -1, 2 * self.head_dim)
-        noise_output = attn_output[:, :, 1].reshape(num_tokens, -1, 2 * self.head_dim)
-        lambda_ = reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
-        return signal_output, noise_output, lambda_
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """`positions` `[T]`, `hidden_states` `[T, hidden]` -> `[T, hidden]`."""
         num_tokens = hidden_states.shape[0]
         qkv, _ = self.qkv_proj(hidden_states)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, key = self.rotary_emb(positions, query, key)
-        signal_output, noise_output, lambda_ = self.differential_outputs(hidden_states, query, key, value)
+        signal_output, noise_output = self.differential_outputs(query, key, value)
+        lambda_ = self.differential_lambda(hidden_states)
         if self.config.integral == "none":  # O1 - lambda * O2, as transformers' attention (DiffLlama's arithmetic)
             combined = self.integral_state.integral(signal_output, noise_output, lambda_, None)
             if self.head_norm is not None:
@@ -717,14 +648,129 @@ class DintVllmAttention(nn.Module):
         return output
 
 
+class DintVllmV1Attention(DintVllmAttention):
+    """DIFF V1's head layout (the paper's, DiffLlama's; `DintV1Attention`): one paged attention whose cache head p of
+    2d channels holds KV heads p and p + KV/2, `K = [K_p | K_(p+KV/2)]`, `V = [V_p | V_(p+KV/2)]` (Llama's KV-cache
+    bytes); one lambda per layer, `exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`."""
+
+    def __init__(self, config: DintConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.num_kv_head_pairs = self.num_kv_heads // 2
+        self.map_group = self.num_heads // (2 * self.num_kv_head_pairs)  # g = H / KV maps per KV head
+        self.lambda_init = config.lambda_init_for_layer(extract_layer_index(self.prefix))
+        self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
+        for parameter in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            parameter.weight_loader = default_weight_loader
+
+    def cache_heads(self) -> tuple[int, int]:
+        """(cache heads, channels per head) of this rank's paged attention: one head of 2d per KV head pair."""
+        return self.num_kv_heads // 2, 2 * self.head_dim
+
+    @staticmethod
+    def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
+        """The rows of the checkpoint's q_proj and of k_proj/v_proj (head indices) that rank `tp_rank` holds, in the
+        order its attention reads them: for each of its KV head pairs p, the g = H/KV signal maps that score against
+        K_p, then the g noise maps (H/2 later) that score against K_(p+KV/2); and K (and V) heads p, p + KV/2.
+
+        Returns:
+            (query heads, KV heads), indices into the checkpoint's heads.
+        """
+        pairs = config.num_key_value_heads // 2
+        group = config.num_attention_heads // config.num_key_value_heads
+        half_heads = config.num_attention_heads // 2
+        local_pairs = range(tp_rank * pairs // tp_size, (tp_rank + 1) * pairs // tp_size)
+        query_heads = [
+            half * half_heads + pair * group + i for pair in local_pairs for half in (0, 1) for i in range(group)
+        ]
+        kv_heads = [half * pairs + pair for pair in local_pairs for half in (0, 1)]
+        return query_heads, kv_heads
+
+    def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's lambda, a fp32 scalar."""
+        return reparameterized_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
+
+    def differential_outputs(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """O1, O2 `[T, H/2 / tp, 2d]` from one paged attention call over the 2d-wide cache heads."""
+        num_tokens = query.shape[0]
+        # Per pair p: maps [signal x g | noise x g] of d channels -> [Q | 0] and [0 | Q] of 2d; K, V already [p | p+KV/2]
+        query = query.reshape(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 1, self.head_dim)
+        wide_query = query.new_zeros(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2, self.head_dim)
+        wide_query[:, :, 0, :, 0] = query[:, :, 0, :, 0]
+        wide_query[:, :, 1, :, 1] = query[:, :, 1, :, 0]
+        attn_output = self.attn(wide_query.reshape(num_tokens, -1), key.contiguous(), value.contiguous())
+        # [T, pairs, 2 (signal, noise), g, 2d] -> O1, O2 [T, H/2, 2d], differential head j = pair * g + i
+        attn_output = attn_output.view(num_tokens, self.num_kv_head_pairs, 2, self.map_group, 2 * self.head_dim)
+        signal_output = attn_output[:, :, 0].reshape(num_tokens, -1, 2 * self.head_dim)
+        noise_output = attn_output[:, :, 1].reshape(num_tokens, -1, 2 * self.head_dim)
+        return signal_output, noise_output
+
+
+class DintVllmV2Attention(DintVllmAttention):
+    """DIFF V2's head layout (`DintV2Attention`): an ordinary paged attention, 2h query heads of d over Llama's KV heads
+    and cache, query heads 2i (signal) and 2i+1 (noise) sharing one; lambda per token and differential head,
+    `sigmoid(lambda_proj(x))`, times `lambda_gate` where the config has it."""
+
+    def __init__(self, config: DintConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.lambda_proj = ColumnParallelLinear(
+            config.hidden_size, config.num_differential_heads, bias=False, quant_config=None,
+            prefix=f"{self.prefix}.lambda_proj",
+        )
+        self.lambda_gate = None
+        if config.lambda_gate:  # this rank's rows of the gate, as lambda_proj's (ColumnParallelLinear: contiguous)
+            tp_size = get_tensor_model_parallel_world_size()
+            self.lambda_gate = DintLambdaGate(config.num_differential_heads // tp_size)
+            self.lambda_gate.weight.requires_grad_(False)
+            self.lambda_gate.weight.weight_loader = partial(load_rank_rows, tp_rank=get_tensor_model_parallel_rank())
+
+    def cache_heads(self) -> tuple[int, int]:
+        """(cache heads, channels per head) of this rank's paged attention: Llama's."""
+        return self.num_kv_heads, self.head_dim
+
+    @staticmethod
+    def local_qkv_rows(config: DintConfig, tp_rank: int, tp_size: int) -> tuple[list[int], list[int]]:
+        """The rows of the checkpoint's q_proj and of k_proj/v_proj (head indices) that rank `tp_rank` holds: its
+        contiguous block of query heads (whole GQA groups, pairs 2i, 2i+1 included) and of KV heads, as Llama's.
+
+        Returns:
+            (query heads, KV heads), indices into the checkpoint's heads.
+        """
+        query_block, kv_block = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
+        return (list(range(tp_rank * query_block, (tp_rank + 1) * query_block)),
+                list(range(tp_rank * kv_block, (tp_rank + 1) * kv_block)))
+
+    def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[T, H/2 / tp, 1]` fp32, from the attention's input `[T, hidden]`."""
+        lambda_proj, _ = self.lambda_proj(hidden_states)
+        lambda_ = torch.sigmoid(lambda_proj.float())
+        if self.lambda_gate is not None:
+            lambda_ = self.lambda_gate(lambda_)
+        return lambda_.unsqueeze(-1)
+
+    def differential_outputs(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor]:
+        """O1, O2 `[T, H/2 / tp, d]`: the even and odd query heads of one ordinary attention call."""
+        attn_output = self.attn(query, key, value).view(query.shape[0], -1, 2, self.head_dim)
+        return attn_output[:, :, 0], attn_output[:, :, 1]
+
+
+VLLM_ATTENTION_CLASSES = {"v1": DintVllmV1Attention, "v2": DintVllmV2Attention}  # by `config.differential_attention`
+
+
 class DintModel(LlamaModel):
-    """vLLM's Llama decoder stack with DINT attention; loads q/k/v in the layout of `local_qkv_rows`."""
+    """vLLM's Llama decoder stack with DINT attention of the config's head layout; loads q/k/v in the layout of its
+    `local_qkv_rows`."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(
             vllm_config=vllm_config,
             prefix=prefix,
-            layer_type=partial(LlamaDecoderLayer, attn_layer_type=DintVllmAttention),
+            layer_type=partial(
+                LlamaDecoderLayer,
+                attn_layer_type=VLLM_ATTENTION_CLASSES[vllm_config.model_config.hf_config.differential_attention],
+            ),
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -741,9 +787,9 @@ class DintModel(LlamaModel):
 
         loaded = AutoWeightsLoader(self).load_weights(other_weights(), mapper=self.hf_to_vllm_mapper)
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        query_heads, kv_heads = local_qkv_rows(self.config, tp_rank, tp_size)
         for attention_name, tensors in projections.items():
             attention = self.get_submodule(attention_name)
+            query_heads, kv_heads = attention.local_qkv_rows(self.config, tp_rank, tp_size)
             for tensor_name in ("weight", "bias"):
                 if f"q_proj.{tensor_name}" not in tensors:
                     continue
@@ -758,7 +804,7 @@ class DintModel(LlamaModel):
 
 class DintForCausalLM(nn.Module):
     """DINT Transformer (arXiv 2501.17486) for vLLM: registered for `architectures: ["DintForCausalLM"]` by the
-    package's `vllm.general_plugins` entry point (`modeling_dint.vllm.register`)."""
+    package's `vllm.general_plugins` entry point (`modeling_dint.integrations.vllm.register`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

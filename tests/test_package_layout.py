@@ -1,0 +1,176 @@
+"""The package's layout: `modeling_dint/`'s top level holds what travels with a checkpoint, the tools live in
+`modeling_dint.integrations`, an import by a tool's old path fails with a message naming the new one, setup.py's entry
+points name modules that exist, and a checkpoint saved before the tools moved (commit 81beb7c) loads with the logits it
+was saved with, by the package and by the remote code saved with it."""
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import modeling_dint
+from dint_testing import WITHOUT_THE_PACKAGE
+from modeling_dint import DintForCausalLM
+from modeling_dint.integrations import MOVED_TOOLS
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.dirname(modeling_dint.__file__)
+
+
+def test_the_top_level_holds_what_travels_with_a_checkpoint():
+    top_level = {name for name in os.listdir(PACKAGE_DIR) if name.endswith(".py")}
+    assert top_level == {"__init__.py", *modeling_dint.REMOTE_CODE_FILES}
+    folders = {name for name in os.listdir(PACKAGE_DIR)
+               if os.path.isdir(os.path.join(PACKAGE_DIR, name)) and name != "__pycache__"}
+    assert folders == {"integrations"}
+
+
+@pytest.mark.parametrize("old_path", sorted(MOVED_TOOLS))
+def test_an_old_import_path_names_the_new_one(old_path):
+    new_path = MOVED_TOOLS[old_path]
+    assert importlib.import_module(new_path).__name__ == new_path
+    with pytest.raises(ModuleNotFoundError, match=f"{old_path} moved to {new_path}"):
+        importlib.import_module(old_path)
+    with pytest.raises(ModuleNotFoundError, match=f"import {new_path}"):
+        exec(f"from modeling_dint import {old_path.rsplit('.', 1)[1]}", {})
+    assert old_path not in sys.modules
+
+
+IMPORT_SIDE_EFFECTS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch, transformers, huggingface_hub, safetensors
+
+    finders = list(sys.meta_path)
+    import modeling_dint
+    from modeling_dint.integrations import MovedToolsFinder
+
+    added = [finder for finder in sys.meta_path if finder not in finders]
+    kept = [finder for finder in sys.meta_path if finder in finders] == finders
+    answers = [added[0].find_spec(name) for name in ("json", "modeling_dint.integrations", "modeling_dint.servings")]
+    import email.mime.text  # an import after it goes on as before
+    print(json.dumps({"added": [type(finder).__name__ for finder in added], "kept": kept,
+                      "answers": [answer is None for answer in answers]}))
+    """
+)
+
+
+def test_importing_the_package_adds_one_finder_that_answers_for_the_old_paths_only():
+    """Importing the package changes nothing of other libraries' imports: it adds one finder to `sys.meta_path`, which
+    answers None for every name but the old paths, and leaves the other finders in their order."""
+    environment = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    result = subprocess.run([sys.executable, "-c", IMPORT_SIDE_EFFECTS_SCRIPT], capture_output=True, text=True,
+                            env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"added": ["MovedToolsFinder"], "kept": True, "answers": [True, True, True]}
+
+
+def setup_entry_points() -> tuple[dict, list]:
+    """setup.py's `entry_points` and `packages`, read from its syntax tree."""
+    with open(os.path.join(REPO_ROOT, "setup.py"), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+    return ast.literal_eval(keywords["entry_points"]), ast.literal_eval(keywords["packages"])
+
+
+def test_setup_names_the_moved_modules():
+    """The console scripts and vLLM's plugin entry point name functions that exist, and the packages setup.py installs
+    are every package folder of `modeling_dint/` (the presets and converters come from their own folders)."""
+    entry_points, packages = setup_entry_points()
+    targets = [entry.split("=", 1)[1].strip() for entries in entry_points.values() for entry in entries]
+    assert "modeling_dint.integrations.serve_cli:main" in targets
+    assert "modeling_dint.integrations.vllm:register" in targets
+    for target in targets:
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+    package_folders = {
+        os.path.relpath(folder, REPO_ROOT).replace(os.sep, ".")
+        for folder, _, files in os.walk(PACKAGE_DIR)
+        if "__init__.py" in files
+    }
+    assert package_folders | {"modeling_dint.presets", "modeling_dint.conversion"} == set(packages)
+
+
+BEFORE_THE_MOVE = "81beb7c"
+"""The commit before the tools moved into `modeling_dint/integrations/` (issue 56): the base of that change."""
+
+SAVE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import modeling_dint
+    from modeling_dint import DintConfig, DintForCausalLM
+
+    assert modeling_dint.__file__.startswith(sys.argv[1]), modeling_dint.__file__
+    torch.manual_seed(0)
+    config = DintConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=int(sys.argv[3]), lambda_std_dev=0.3,
+                        differential_attention=sys.argv[2], pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = DintForCausalLM(config).eval()
+    model.save_pretrained(sys.argv[4])
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
+    print(json.dumps(logits.flatten().tolist()))
+    """
+)
+
+REMOTE_CODE_SCRIPT = WITHOUT_THE_PACKAGE + textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
+    print(json.dumps(logits.flatten().tolist()))
+    """
+)
+
+
+def run_python(script: str, *arguments: str, cwd, pythonpath: str | None) -> list[float]:
+    environment = {**os.environ, "HF_HOME": os.path.join(cwd, "hf_home"), "HF_HUB_OFFLINE": "1"}
+    environment.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        environment["PYTHONPATH"] = pythonpath
+    result = subprocess.run([sys.executable, "-c", script, *arguments], capture_output=True, text=True, cwd=cwd,
+                            env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout, kv_heads", [("v1", "2"), ("v2", "1")])
+def test_a_checkpoint_saved_before_the_move_loads_with_its_logits(tmp_path, layout, kv_heads):
+    """A model saved by the package at `BEFORE_THE_MOVE` (its files taken from git, in a process of their own) loads
+    with the logits it was saved with: by this package, and by the remote code saved with it in a process without the
+    package."""
+    old_tree = tmp_path / "old"
+    old_tree.mkdir()
+    archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", BEFORE_THE_MOVE, "modeling_dint"],
+                             capture_output=True, timeout=120)
+    assert archive.returncode == 0, (
+        f"this test reads commit {BEFORE_THE_MOVE} from the repository's git history: {archive.stderr.decode()[-500:]}"
+    )
+    subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True, timeout=120)
+    assert (old_tree / "modeling_dint" / "serving.py").exists()  # the tree before the move
+
+    checkpoint = str(tmp_path / "checkpoint")
+    saved_logits = torch.tensor(run_python(SAVE_SCRIPT, str(old_tree), layout, kv_heads, checkpoint,
+                                           cwd=str(tmp_path), pythonpath=str(old_tree)))
+    model = DintForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten()
+    torch.testing.assert_close(logits, saved_logits, rtol=1e-5, atol=1e-5)
+    remote_logits = torch.tensor(run_python(REMOTE_CODE_SCRIPT, checkpoint, cwd=str(tmp_path), pythonpath=None))
+    torch.testing.assert_close(remote_logits, saved_logits, rtol=1e-5, atol=1e-5)
