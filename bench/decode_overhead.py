@@ -75,19 +75,23 @@ def main(argv=None) -> None:
         },
     }
     layers = args.layers
+    kernel_setting = os.environ.get("DINT_INTEGRAL_KERNEL") or "auto"  # one file per setting: `results_<setting>`
+    result["integral_kernel"] = kernel_setting
     lines = [
         "# Decoding overhead: tiny models, batch 1, the CPU (a proxy for launch-bound eager decoding on a GPU)", "",
         f"Machine: {result['machine']['processor']}, {result['machine']['torch_threads']} thread, load average "
         f"{result['machine']['load_average_1_5_15']}; torch {result['machine']['torch']}, transformers "
         f"{result['machine']['transformers']}; commit {result['machine']['git_commit']}; "
         f"{result['machine']['date_utc']}.",
-        f"Command: `python {' '.join(sys.argv)}`; {layers} layers, {args.rounds} rounds of {args.tokens} tokens.", "",
+        f"Command: `DINT_INTEGRAL_KERNEL={kernel_setting} python {' '.join(sys.argv)}`; {layers} layers, {args.rounds} "
+        f"rounds of {args.tokens} tokens.", "",
         "| model | ms per token | per token / layers (us) |", "| --- | ---: | ---: |",
         *(f"| {name} | {ms:.3f} | {1e3 * ms / layers:.1f} |" for name, ms in result["median_ms_per_token"].items()),
         "", "| pair | paired median ratio |", "| --- | ---: |",
         *(f"| {pair} | {ratio:.3f} |" for pair, ratio in result["paired_ratios"].items()),
     ]
-    bench_common.write_result(result, os.path.join(args.output_dir, "results.json"), "\n".join(lines) + "\n")
+    output = os.path.join(args.output_dir, f"results_{kernel_setting}.json")
+    bench_common.write_result(result, output, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -570,7 +570,9 @@ def plan_integral(
 
 
 def forward_integral_layout(
-    config,
+    integral: str,
+    channels: int,
+    head_norm: bool,
     cache,
     query_valid: torch.Tensor | None,
     position_ids: torch.Tensor | None,
@@ -581,12 +583,14 @@ def forward_integral_layout(
 ) -> DintIntegralLayout | None:
     """The planned `DintIntegralLayout` of one forward pass, shared by all layers (None for integral "none"). It reads
     the count of valid rows that the cache carries and stores the new one (in layer 0: the only place it is kept).
+    `integral`, `channels` (`heads * C` of O1 per row) and `head_norm` are the model's (`DintModel.integral_settings`,
+    read from the config once: a config attribute costs microseconds, and a built model's refuses edits of them).
 
     Without the caller's `position_ids` no row after row 0 starts a document, and row 0 continues the cache's
     document if the cache holds tokens (a static cache rewound to 0, as ExecuTorch's recipe does, restarts). A caller
     that builds its layout (continuous batching: `layout`) passes its own holder as `cache`.
     """
-    if config.integral == "none":
+    if integral == "none":
         requested_integral_kernel()  # validated in every forward, though no integral runs
         return None
     state = cache if cache is None or isinstance(cache, DintIntegralState) else CacheIntegralState(cache)
@@ -604,8 +608,7 @@ def forward_integral_layout(
             state.store(layout.running_query_count[:, -1], 0, QUERY_COUNT, layout.running_query_count)
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else inputs_embeds.dtype
-    elements = batch_size * query_length * config.num_differential_heads * config.differential_head_dim
-    return plan_integral(layout, state, device, dtype, elements, training, carried_tokens, config.head_norm)
+    return plan_integral(layout, state, device, dtype, batch_size * query_length * channels, training, carried_tokens, head_norm)
 
 
 FP32_EPS = torch.finfo(torch.float32).eps

@@ -440,6 +440,9 @@ class DintModel(DintPreTrainedModel):
         self.norm = DintRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DintRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        # What each forward's integral plan reads of the config, read once (fields a built model's config refuses)
+        row_channels = config.num_differential_heads * config.differential_head_dim
+        self.integral_settings = (config.integral, row_channels, config.head_norm)
 
         self.post_init()
 
@@ -482,8 +485,8 @@ class DintModel(DintPreTrainedModel):
         position_ids = default_position_ids(inputs_embeds, cache) if position_ids is None else position_ids
         masks = create_dint_masks(config, inputs_embeds, attention_mask, cache, position_ids, path == MATERIALIZING)
         integral_layout = forward_integral_layout(
-            config, cache, masks[DINT_QUERY_VALID_KEY], given_position_ids, inputs_embeds, self.training,
-            kwargs.get("cu_seq_lens_q"), integral_layout,
+            *self.integral_settings, cache, masks[DINT_QUERY_VALID_KEY], given_position_ids, inputs_embeds,
+            self.training, kwargs.get("cu_seq_lens_q"), integral_layout,
         )
 
         hidden_states = inputs_embeds
