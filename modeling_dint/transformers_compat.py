@@ -272,21 +272,6 @@ else:
             return not self.record_past
 
 
-HAS_GET_RECURRENT_STATE = hasattr(cache_utils.Cache, "get_recurrent_state")
-"""`Cache.get_recurrent_state(layer_idx, state_idx)` exists from 5.23 (`get_recurrent_state` serves 5.5 - 5.22)."""
-
-
-def get_recurrent_state(cache, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-    """`cache.get_recurrent_state(layer_idx, state_idx)`: the recurrent state `state_idx` of layer `layer_idx`, None
-    before its first update (and after `reset`). Before 5.23 `Cache` has no such method: this reads the layer's own
-    state with the same rule. A cache that is no transformers `Cache` (DINT's continuous-batching step) provides the
-    method itself."""
-    if HAS_GET_RECURRENT_STATE or not isinstance(cache, cache_utils.Cache):
-        return cache.get_recurrent_state(layer_idx, state_idx)
-    layer = cache.layers[layer_idx]
-    return layer.recurrent_states[state_idx] if layer.has_previous_state[state_idx] else None
-
-
 __all__ = [
     "MINIMUM_TRANSFORMERS_VERSION",
     "MINIMUM_TORCH_VERSION",
@@ -304,7 +289,5 @@ __all__ = [
     "HAS_INDEXED_RECURRENT_STATES",
     "RecurrentStateAndFullAttentionLayer",
     "RecurrentStateAndStaticFullAttentionLayer",
-    "HAS_GET_RECURRENT_STATE",
-    "get_recurrent_state",
     "unwrapped_forward",
 ]

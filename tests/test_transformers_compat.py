@@ -23,6 +23,7 @@ from modeling_dint import DintDynamicLayer, DintForCausalLM, DintStaticLayer
 from modeling_dint.integrations import release_bridges
 from modeling_dint.configuration_dint import V1_TP_PLAN, V2_TP_PLAN
 from modeling_dint import transformers_compat as compat
+from modeling_dint.integral_dint import CacheIntegralState
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,15 +220,17 @@ def test_recurrent_state_layers_are_the_installed_releases():
         )
     assert issubclass(DintDynamicLayer, cache_utils.LinearAttentionCacheLayerMixin)
     assert issubclass(DintStaticLayer, cache_utils.LinearAttentionCacheLayerMixin)
-    assert compat.HAS_GET_RECURRENT_STATE == (INSTALLED >= (5, 23))
+    # The integral reads the DINT layers' states itself (`CacheIntegralState`), on every release; where transformers has
+    # a Cache-level getter (5.23 on) it returns the same tensors.
     model = tiny_model()
     with torch.no_grad():
         cache = cache_of(model(torch.randint(2, 128, (2, 5)), use_cache=True))
+    state_holder = CacheIntegralState(cache)
     for layer_idx, layer in enumerate(cache.layers):
         for state_idx, state in enumerate(layer.integral_state()):
-            bridged = compat.get_recurrent_state(cache, layer_idx, state_idx)
-            assert bridged is state or (bridged is None and state is None)
-            if compat.HAS_GET_RECURRENT_STATE:
+            carried = state_holder.carried(layer_idx, state_idx)
+            assert carried is state or (carried is None and state is None)
+            if hasattr(cache_utils.Cache, "get_recurrent_state"):
                 native = cache.get_recurrent_state(layer_idx, state_idx)
                 assert native is state or (native is None and state is None), changed(
                     "transformers.cache_utils.Cache.get_recurrent_state", "5.23 - 5.24",
