@@ -511,9 +511,11 @@ def _choose(layout: DintIntegralLayout, device: torch.device, implementation: st
             layout.running_sum = blocked_running_sum
         elif device.type == "cuda":
             layout.running_sum = _triton_kernel_module().rows_last_running_sum
-    if implementation != EAGER and not layout.decoding_step and layout.kernel_row_flags is None:
-        layout.kernel_row_flags = layout.row_flags()
-        layout.kernel_inverse_count = layout.inverse_query_count[:, :, 0, 0]
+    if implementation != EAGER and not layout.decoding_step:  # (a caller may have built them: vLLM's step)
+        if layout.kernel_row_flags is None:
+            layout.kernel_row_flags = layout.row_flags()
+        if layout.kernel_inverse_count is None:
+            layout.kernel_inverse_count = layout.inverse_query_count[:, :, 0, 0]
 
 
 def _writable_here(state: torch.Tensor | None) -> bool:

@@ -13,7 +13,7 @@ from dint_testing import LAYOUTS, left_padded_batch, tiny_model, with_cache
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-from modeling_dint.integral_dint import EAGER, DintIntegralLayout, plan_integral
+from modeling_dint.integral_dint import EAGER, DintIntegral, DintIntegralLayout, DintIntegralState, plan_integral
 
 
 class RecordedOps(TorchDispatchMode):
@@ -250,3 +250,58 @@ def test_a_decoding_step_takes_the_cheaper_implementation(layout):
         assert planned.implementation == "cpu" and not planned.decoding_step
     else:
         assert planned.decoding_step
+
+
+class TableState(DintIntegralState):
+    """A packed-request holder as vLLM's step is: a state table; each row carries its request's slot (`row_slot`, -1
+    for a request with no past), the kernel reads it at the request's first row (`carry_slot`) and each storing row
+    stores its running sum (`store_slot`)."""
+
+    records_rows, keeps_state_table = True, True
+
+    def __init__(self, table, row_slot, carry_slot, store_slot):
+        self.table, self.row_slot, self.carry_slot, self.store_slot = table, row_slot, carry_slot, store_slot
+
+    def carried(self, layer_idx, state_idx):
+        return torch.where((self.row_slot >= 0)[:, None, None], self.table[self.row_slot.clamp(min=0)], 0.0)[None]
+
+    def store(self, state, layer_idx, state_idx, running_rows=None):
+        stores = self.store_slot >= 0
+        self.table[self.store_slot[stores]] = running_rows[0, stores]
+
+    def state_table(self, layer_idx):
+        return self.table, self.carry_slot[None], self.store_slot[None]
+
+
+def test_a_callers_layout_with_its_own_kernel_rows_is_planned_by_its_first_call():
+    """vLLM builds its step's layout itself, with the kernel's row flags but not the inverse counts: the first call
+    plans it (the CPU op for packed requests with a state table, where it builds) and fills in what is missing; the
+    output and the stored states equal the eager ops'."""
+    from modeling_dint.integral_cpu_kernel import integral_kernel
+
+    positions, cu_seq_lens_q = torch.tensor([[3, 4, 0, 1, 2]]), torch.tensor([0, 2, 5])
+    heads, channels = 2, 8
+    generator = torch.Generator().manual_seed(0)
+    signal, noise = torch.randn(2, 1, 5, heads, channels, generator=generator)
+    lambda_ = torch.tensor(0.3)
+    head_norm = torch.nn.RMSNorm(channels, eps=1e-6)
+    results = []
+    for kernel in ("auto", "eager"):
+        os.environ["DINT_INTEGRAL_KERNEL"] = kernel
+        try:
+            layout = DintIntegralLayout.for_packed_requests(positions, cu_seq_lens_q)
+            layout.kernel_row_flags = layout.row_flags()
+            table = torch.randn(4, heads, channels, generator=torch.Generator().manual_seed(1))
+            state = TableState(
+                table, torch.tensor([2, 2, -1, -1, -1]), torch.tensor([2, -1, -1, -1, -1]), torch.tensor([-1, 1, -1, -1, 3])
+            )
+            with torch.no_grad():
+                output = DintIntegral("mean", 0)(signal, noise, lambda_, layout, head_norm, state)
+        finally:
+            del os.environ["DINT_INTEGRAL_KERNEL"]
+        expected_implementation = "cpu" if kernel == "auto" and integral_kernel() is not None else EAGER
+        assert layout.implementation == expected_implementation
+        assert layout.kernel_inverse_count is not None or expected_implementation == EAGER
+        results.append((output, table))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
