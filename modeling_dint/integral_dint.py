@@ -131,7 +131,7 @@ class CacheIntegralState(DintIntegralState):
 
     def __init__(self, cache):
         self.layers = cache.layers
-        self.records_rows = any(getattr(layer, "record_past", False) for layer in self.layers)
+        self.records_rows = any(layer.record_past for layer in self.layers)  # recording for `crop`
 
     def carried(self, layer_idx: int, state_idx: int) -> torch.Tensor | None:
         return self.layers[layer_idx].get_integral_state(state_idx)
