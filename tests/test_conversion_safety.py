@@ -4,8 +4,9 @@ the permissions `save_pretrained` gives, cleans what a killed run left (and puts
 run had moved aside), refuses a checkpoint that does not match its config before it builds or writes anything, and
 ends every expected failure (a full disk included) in one line on stderr with exit status 2.
 
-The CLI's contract is checked through the real CLI, `python -m modeling_dint.conversion`, in subprocesses (started
-together, a few at a time, since each spends seconds importing torch and transformers).
+The CLI's contract is checked through the real CLI, `python -m modeling_dint.conversion`: a successful conversion in a
+subprocess of its own, the expected failures each in a process forked from one that imported torch, transformers and
+the converter once (`run_forked_cli`: a fresh interpreter spends seconds on those imports, twenty of them minutes).
 """
 
 import hashlib
@@ -363,6 +364,55 @@ CLI_FAILURES = [
 ]
 
 
+FORKED_CLI_SCRIPT = """
+import json, os, runpy, sys, traceback
+import modeling_dint.conversion.convert  # what `python -m modeling_dint.conversion` imports, imported once
+
+for name, (arguments, stdout_path, stderr_path) in json.load(sys.stdin).items():
+    child = os.fork()
+    if child == 0:  # `python -m modeling_dint.conversion ARGUMENTS` from here, its output in the two files
+        os.dup2(os.open(stdout_path, os.O_WRONLY | os.O_CREAT), 1)
+        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT), 2)
+        status = 0
+        try:
+            sys.argv = ["-m", *arguments]
+            runpy.run_module("modeling_dint.conversion", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:  # as the interpreter ends on it
+            if exit.code is None or isinstance(exit.code, int):
+                status = exit.code or 0
+            else:
+                print(exit.code, file=sys.stderr)
+                status = 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, wait_status = os.waitpid(child, 0)
+    print(json.dumps([name, os.waitstatus_to_exitcode(wait_status)]), flush=True)
+"""
+
+
+def run_forked_cli(cases: dict[str, list[str]], output_dir: Path, timeout: float = 300.0):
+    """Runs `python -m modeling_dint.conversion` with each case's arguments in a process of its own, forked from one
+    that imported the converter (and so torch and transformers) once; returns `{case: CompletedProcess}` and the
+    stderr of that process's imports. What a case prints is what its command prints after the imports."""
+    files = {name: [arguments, str(output_dir / f"{name}.stdout"), str(output_dir / f"{name}.stderr")]
+             for name, arguments in cases.items()}
+    server = subprocess.run([sys.executable, "-c", FORKED_CLI_SCRIPT], input=json.dumps(files), capture_output=True,
+                            text=True, timeout=timeout)
+    assert server.returncode == 0, server.stderr[-3000:]
+    statuses = dict(json.loads(line) for line in server.stdout.splitlines() if line.startswith("["))
+    assert set(statuses) == set(cases), server.stdout[-3000:] + server.stderr[-3000:]
+    results = {
+        name: subprocess.CompletedProcess(CLI + arguments, statuses[name], Path(stdout).read_text(),
+                                          Path(stderr).read_text())
+        for name, (arguments, stdout, stderr) in files.items()
+    }
+    return results, server.stderr
+
+
 def run_processes(commands: dict[str, list[str]], timeout: float = 180.0) -> dict[str, subprocess.CompletedProcess]:
     """Runs the commands, `PARALLEL_PROCESSES` at a time; returns their results by name. A command still running
     `timeout` seconds after it started is killed (its returncode is then negative)."""
@@ -386,17 +436,20 @@ def run_processes(commands: dict[str, list[str]], timeout: float = 180.0) -> dic
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Every CLI case of this module, run once: {case: (result, expected phrase, snapshots before and after)},
-    plus the stderr of a bare import of the package (what this environment prints before any converter code)."""
+    """Every CLI case of this module, run once: {case: (result, expected phrase, snapshots before and after)}; the
+    failures' results hold what their commands print after the imports (`run_forked_cli`). Plus "import-only", a
+    bare import of the converter in a fresh process (what this environment prints before any converter code)."""
     root = tmp_path_factory.mktemp("cli")
     cases = {case: cli_case(case, root / case) for case in CLI_FAILURES}
     success_source = save_llama(root / "success" / "src")
-    commands = {case: CLI + arguments for case, (arguments, _) in ((c, v) for c, v in cases.items() if v)}
-    commands["success"] = CLI + [str(success_source), str(root / "success" / "out")]
-    commands["import-only"] = [sys.executable, "-c", "import modeling_dint.conversion"]
-    snapshots_before = {case: tree_snapshot(root / case) for case in commands if (root / case).is_dir()}
+    failures = {case: arguments for case, (arguments, _) in ((c, v) for c, v in cases.items() if v)}
+    commands = {"success": CLI + [str(success_source), str(root / "success" / "out")],
+                "import-only": [sys.executable, "-c", "import modeling_dint.conversion.convert"]}
+    snapshots_before = {case: tree_snapshot(root / case) for case in [*commands, *failures] if (root / case).is_dir()}
+    (root / "outputs").mkdir()
     try:
         results = run_processes(commands)
+        results.update(run_forked_cli(failures, root / "outputs")[0])
         runs = {}
         for case, result in results.items():
             after = tree_snapshot(root / case) if (root / case).is_dir() else None
@@ -412,11 +465,10 @@ def test_cli_expected_failure_is_one_line_on_stderr_and_status_2(cli_runs, case)
     if case not in cli_runs:
         pytest.skip(f"{case}: cannot make a folder unwritable on this machine")
     result, phrase, before, after = cli_runs[case]
-    environment_lines = cli_runs["import-only"][0].stderr.splitlines()  # e.g. warnings of optional packages
-    lines = result.stderr.splitlines()
+    lines = result.stderr.splitlines()  # after the imports (`run_forked_cli`)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert len(lines) == len(environment_lines) + 1, result.stderr
+    assert len(lines) == 1, result.stderr
     assert lines[-1].startswith("dint-convert: error: ") and phrase in lines[-1], lines[-1]
     assert after == before  # nothing written, nothing removed
 
