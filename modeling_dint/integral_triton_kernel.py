@@ -40,6 +40,7 @@ This file travels with the remote code (`save_pretrained`): it imports nothing b
 """
 
 import contextlib
+from collections import namedtuple
 
 import torch
 
@@ -90,6 +91,7 @@ def chunk_rows_for(query_length: int, channels: int) -> int:
 
 
 if triton is not None:
+    _BATCH_STRIDES = ("signal_stride_b", "noise_stride_b", "lambda_stride_b", "inverse_stride_b", "flags_stride_b")
     _ROW_VALID = tl.constexpr(ROW_VALID)
     _DOCUMENT_START = tl.constexpr(DOCUMENT_START)
 
@@ -204,37 +206,38 @@ if triton is not None:
 
     @triton.jit
     def _combination(
-        signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, carry_ptr, inclusive_ptr, weight_ptr,
-        chunk, batch_head, rows, heads, chunks, channels, eps,
-        signal_stride_b, signal_stride_t, signal_stride_h, noise_stride_b, noise_stride_t, noise_stride_h,
-        lambda_stride_b, lambda_stride_t, lambda_stride_h, inverse_stride_b, inverse_stride_t,
-        row_flags_ptr, flags_stride_b, flags_stride_t, carry_stride_b, carry_stride_h,
-        CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr, HAS_CARRY: tl.constexpr, MULTI_CHUNK: tl.constexpr,
-        NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+        inputs, strides, signal_stride_b, noise_stride_b, lambda_stride_b, inverse_stride_b, flags_stride_b,
+        rows, heads, chunks, channels, eps, CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
+        HAS_CARRY: tl.constexpr, MULTI_CHUNK: tl.constexpr, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ):
-        """The forward of one chunk, shared by both directions: the rows' tiles, O1 and O2 (fp32), lambda and 1 / c
-        per row, S, the combination before the norm, the norm's scale per row (1 without it) and its weight."""
+        """The forward of this program's chunk (`_program_chunk`), shared by both directions, from `inputs`
+        (`IntegralInputs`: pointers), `strides` (`RowStrides`) and the inputs' batch strides: the program's
+        (batch row * heads + head, chunk), batch row (int64) and head, the rows' tiles, O1 and O2 (fp32), lambda and
+        1 / c per row, S, the combination before the norm, the norm's scale per row (1 without it) and its weight."""
+        batch_head, chunk = _program_chunk(chunks)
         batch, head = batch_head // heads, batch_head % heads
         row, in_rows, valid, starts, channel, in_channels = _row_tiles(
-            chunk, rows, row_flags_ptr, flags_stride_b, flags_stride_t, batch, CHUNK_ROWS, BLOCK_CHANNELS, channels
+            chunk, rows, inputs.row_flags, flags_stride_b, strides.row_flags_t, batch, CHUNK_ROWS,
+            BLOCK_CHANNELS, channels,
         )
         batch = batch.to(tl.int64)
         mask = in_rows[:, None] & in_channels[None, :]
-        signal_rows = signal_ptr + batch * signal_stride_b + head * signal_stride_h + row * signal_stride_t
-        noise_rows = noise_ptr + batch * noise_stride_b + head * noise_stride_h + row * noise_stride_t
+        signal_rows = inputs.signal + batch * signal_stride_b + head * strides.signal_h + row * strides.signal_t
+        noise_rows = inputs.noise + batch * noise_stride_b + head * strides.noise_h + row * strides.noise_t
         signal = tl.load(signal_rows[:, None] + channel[None, :], mask=mask, other=0.0).to(tl.float32)
         noise = tl.load(noise_rows[:, None] + channel[None, :], mask=mask, other=0.0).to(tl.float32)
-        lambda_rows = lambda_ptr + batch * lambda_stride_b + head * lambda_stride_h + row * lambda_stride_t
+        lambda_rows = inputs.lambda_ + batch * lambda_stride_b + head * strides.lambda_h + row * strides.lambda_t
         lambda_ = tl.load(lambda_rows, mask=in_rows, other=0.0)
-        inverse = tl.load(inverse_ptr + batch * inverse_stride_b + row * inverse_stride_t, mask=in_rows, other=0.0)
+        inverse_rows = inputs.inverse_count + batch * inverse_stride_b + row * strides.inverse_count_t
+        inverse = tl.load(inverse_rows, mask=in_rows, other=0.0)
         # What enters the chunk: the cache's carry (chunk 0), or the running sum after the chunk before
         entering = tl.zeros((BLOCK_CHANNELS,), dtype=tl.float32)
         if HAS_CARRY:
-            carry = carry_ptr + batch * carry_stride_b + head * carry_stride_h + channel
+            carry = inputs.carry + batch * strides.carry_b + head * strides.carry_h + channel
             first_chunk = _broadcast(chunk, BLOCK_CHANNELS) == 0
             entering += tl.load(carry, mask=in_channels & first_chunk, other=0.0).to(tl.float32)
         if MULTI_CHUNK:
-            previous = inclusive_ptr + (batch_head.to(tl.int64) * chunks + chunk - 1) * channels + channel
+            previous = inputs.inclusive + (batch_head.to(tl.int64) * chunks + chunk - 1) * channels + channel
             entering += tl.load(previous, mask=in_channels & (_broadcast(chunk, BLOCK_CHANNELS) > 0), other=0.0)
         running = _running_sum(tl.where(valid[:, None], signal, 0.0), starts, entering)
         combined = signal - lambda_[:, None] * (noise - running * inverse[:, None])  # combine_with_integral's
@@ -243,23 +246,14 @@ if triton is not None:
             scale = 1.0 / tl.sqrt(tl.sum(combined * combined, axis=1) / channels + eps)
         weight = tl.full((BLOCK_CHANNELS,), 1.0, dtype=tl.float32)
         if HAS_WEIGHT:
-            weight = tl.load(weight_ptr + channel, mask=in_channels, other=0.0).to(tl.float32)
-        return (row, in_rows, valid, starts, channel, in_channels, mask, signal, noise, lambda_, inverse, running,
-                combined, scale, weight)
+            weight = tl.load(inputs.weight + channel, mask=in_channels, other=0.0).to(tl.float32)
+        return (batch_head, chunk, batch, head, row, in_rows, valid, starts, channel, in_channels, mask, signal, noise,
+                lambda_, inverse, running, combined, scale, weight)
 
-    @triton.jit(
-        do_not_specialize=[
-            "rows", "chunks", "signal_stride_b", "noise_stride_b", "lambda_stride_b", "inverse_stride_b",
-            "flags_stride_b", "output_stride_b",
-        ]
-    )
+    @triton.jit(do_not_specialize=["rows", "chunks", *_BATCH_STRIDES, "output_stride_b"])
     def _integral_forward_kernel(
-        signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, row_flags_ptr, carry_ptr, inclusive_ptr, weight_ptr,
-        output_ptr, last_sum_ptr, running_ptr,
-        rows, heads, chunks, channels, eps,
-        signal_stride_b, signal_stride_t, signal_stride_h, noise_stride_b, noise_stride_t, noise_stride_h,
-        lambda_stride_b, lambda_stride_t, lambda_stride_h, inverse_stride_b, inverse_stride_t,
-        flags_stride_b, flags_stride_t, carry_stride_b, carry_stride_h,
+        inputs, strides, signal_stride_b, noise_stride_b, lambda_stride_b, inverse_stride_b, flags_stride_b,
+        output_ptr, last_sum_ptr, running_ptr, rows, heads, chunks, channels, eps,
         output_stride_b, output_stride_t, output_stride_h,
         CHUNK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr, HAS_CARRY: tl.constexpr, MULTI_CHUNK: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RUNNING: tl.constexpr,
@@ -267,18 +261,13 @@ if triton is not None:
         """Per (batch row, head) and chunk (`_program_chunk`): `out = head_norm(O1 - lambda (O2 - S / c))` in the
         output's dtype; the sum after the call's last row `[B, heads, C]` (fp32), and with `STORE_RUNNING` after every
         row `[B, T, heads, C]` (fp32)."""
-        batch_head, chunk = _program_chunk(chunks)
-        (row, in_rows, valid, starts, channel, in_channels, mask, signal, noise, lambda_, inverse, running, combined,
-         scale, weight) = _combination(
-            signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, carry_ptr, inclusive_ptr, weight_ptr,
-            chunk, batch_head, rows, heads, chunks, channels, eps,
-            signal_stride_b, signal_stride_t, signal_stride_h, noise_stride_b, noise_stride_t, noise_stride_h,
-            lambda_stride_b, lambda_stride_t, lambda_stride_h, inverse_stride_b, inverse_stride_t,
-            row_flags_ptr, flags_stride_b, flags_stride_t, carry_stride_b, carry_stride_h,
-            CHUNK_ROWS, BLOCK_CHANNELS, HAS_CARRY, MULTI_CHUNK, NORMALIZE, HAS_WEIGHT,
+        (batch_head, chunk, batch, head, row, in_rows, valid, starts, channel, in_channels, mask, signal, noise,
+         lambda_, inverse, running, combined, scale, weight) = _combination(
+            inputs, strides, signal_stride_b, noise_stride_b, lambda_stride_b, inverse_stride_b, flags_stride_b,
+            rows, heads, chunks, channels, eps, CHUNK_ROWS, BLOCK_CHANNELS, HAS_CARRY, MULTI_CHUNK, NORMALIZE,
+            HAS_WEIGHT,
         )
         output = combined * scale[:, None] * weight[None, :]
-        batch, head = (batch_head // heads).to(tl.int64), batch_head % heads
         output_rows = output_ptr + batch * output_stride_b + head * output_stride_h + row * output_stride_t
         tl.store(output_rows[:, None] + channel[None, :], output.to(output_ptr.dtype.element_ty), mask=mask)
         last_sum = last_sum_ptr + batch_head.to(tl.int64) * channels + channel
@@ -290,18 +279,14 @@ if triton is not None:
 
     @triton.jit(
         do_not_specialize=[
-            "rows", "chunks", "signal_stride_b", "noise_stride_b", "lambda_stride_b", "inverse_stride_b",
-            "flags_stride_b", "grad_output_stride_b", "grad_signal_stride_b", "grad_noise_stride_b",
+            "rows", "chunks", *_BATCH_STRIDES, "grad_output_stride_b", "grad_signal_stride_b", "grad_noise_stride_b",
         ]
     )
     def _integral_backward_kernel(
-        signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, row_flags_ptr, carry_ptr, inclusive_ptr, weight_ptr,
+        inputs, strides, signal_stride_b, noise_stride_b, lambda_stride_b, inverse_stride_b, flags_stride_b,
         grad_output_ptr, grad_last_ptr, right_inclusive_ptr,
         grad_signal_ptr, grad_noise_ptr, grad_lambda_ptr, grad_weight_ptr, grad_carry_ptr, heads_sum_ptr,
         rows, heads, chunks, channels, eps,
-        signal_stride_b, signal_stride_t, signal_stride_h, noise_stride_b, noise_stride_t, noise_stride_h,
-        lambda_stride_b, lambda_stride_t, lambda_stride_h, inverse_stride_b, inverse_stride_t,
-        flags_stride_b, flags_stride_t, carry_stride_b, carry_stride_h,
         grad_output_stride_b, grad_output_stride_t, grad_output_stride_h,
         grad_signal_stride_b, grad_signal_stride_t, grad_signal_stride_h,
         grad_noise_stride_b, grad_noise_stride_t, grad_noise_stride_h,
@@ -312,17 +297,12 @@ if triton is not None:
         `HEADS_ONLY`, only the sum of dS over the chunk's rows before its first document start (what reaches the
         chunks before); else dO1, dO2, dlambda per row `[B, T, heads]`, the norm weight's per program
         `[B * heads * chunks, C]` and, from chunk 0, the carry's `[B, heads, C]` (all fp32 but dO1, dO2)."""
-        batch_head, chunk = _program_chunk(chunks)
-        (row, in_rows, valid, starts, channel, in_channels, mask, signal, noise, lambda_, inverse, running, combined,
-         scale, weight) = _combination(
-            signal_ptr, noise_ptr, lambda_ptr, inverse_ptr, carry_ptr, inclusive_ptr, weight_ptr,
-            chunk, batch_head, rows, heads, chunks, channels, eps,
-            signal_stride_b, signal_stride_t, signal_stride_h, noise_stride_b, noise_stride_t, noise_stride_h,
-            lambda_stride_b, lambda_stride_t, lambda_stride_h, inverse_stride_b, inverse_stride_t,
-            row_flags_ptr, flags_stride_b, flags_stride_t, carry_stride_b, carry_stride_h,
-            CHUNK_ROWS, BLOCK_CHANNELS, HAS_CARRY, MULTI_CHUNK, NORMALIZE, HAS_WEIGHT,
+        (batch_head, chunk, batch, head, row, in_rows, valid, starts, channel, in_channels, mask, signal, noise,
+         lambda_, inverse, running, combined, scale, weight) = _combination(
+            inputs, strides, signal_stride_b, noise_stride_b, lambda_stride_b, inverse_stride_b, flags_stride_b,
+            rows, heads, chunks, channels, eps, CHUNK_ROWS, BLOCK_CHANNELS, HAS_CARRY, MULTI_CHUNK, NORMALIZE,
+            HAS_WEIGHT,
         )
-        batch, head = (batch_head // heads).to(tl.int64), batch_head % heads
         grad_rows = grad_output_ptr + batch * grad_output_stride_b + head * grad_output_stride_h
         grad_output = tl.load(
             grad_rows + row[:, None] * grad_output_stride_t + channel[None, :], mask=mask, other=0.0
@@ -440,6 +420,31 @@ def _carry_strides(carry: torch.Tensor | None) -> tuple[int, int]:
     return (carry.stride(0), carry.stride(1)) if carry is not None else (0, 0)
 
 
+IntegralInputs = namedtuple(
+    "IntegralInputs", ["signal", "noise", "lambda_", "inverse_count", "row_flags", "carry", "inclusive", "weight"]
+)
+"""The tensors both directions' kernels read (`_combination`; None where absent), passed as one tuple argument."""
+RowStrides = namedtuple(
+    "RowStrides",
+    ["signal_t", "signal_h", "noise_t", "noise_h", "lambda_t", "lambda_h", "inverse_count_t", "row_flags_t", "carry_b",
+     "carry_h"],
+)
+"""Their strides but the batch's (channels are contiguous), one tuple argument: Triton specializes on them as on any
+integer. The batch strides change with the length, so they are separate arguments the kernels do not specialize on
+(Triton specializes a tuple's integers whatever `do_not_specialize` says): a new length compiles nothing."""
+
+
+def _kernel_inputs(signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight) -> tuple:
+    """The kernels' first arguments from `_common_arguments`' tensors, the chunks' inclusive sums and the head norm's
+    weight: `IntegralInputs`, `RowStrides`, then the batch strides of signal, noise, lambda, 1 / c and the flags."""
+    inputs = IntegralInputs(signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight)
+    strides = RowStrides(
+        *signal.stride()[1:3], *noise.stride()[1:3], *lambda_rows.stride()[1:3], inverse_count.stride(1),
+        row_flags.stride(1), *_carry_strides(carry),
+    )
+    return inputs, strides, *(tensor.stride(0) for tensor in inputs[:5])
+
+
 def _chunk_scan(values, restarts, initial, batch_heads, heads, chunks, channels, reverse) -> torch.Tensor:
     """`_chunk_scan_kernel` over `values` `[B * heads, chunks, C]` (fp32): the inclusive running sums."""
     inclusive = torch.empty_like(values)
@@ -505,11 +510,8 @@ def integral_forward(
             )
             inclusive = _chunk_scan(tails, restarts, carry, batch_heads, heads, chunks, channels, reverse=False)
         _integral_forward_kernel[(batch_heads * chunks,)](
-            signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight,
-            output, last_sum, running,
-            query_length, heads, chunks, channels, eps,
-            *signal.stride()[:3], *noise.stride()[:3], *lambda_rows.stride(), *inverse_count.stride(),
-            *row_flags.stride(), *_carry_strides(carry), *output.stride()[:3],
+            *_kernel_inputs(signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight),
+            output, last_sum, running, query_length, heads, chunks, channels, eps, *output.stride()[:3],
             CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, HAS_CARRY=carry is not None,
             MULTI_CHUNK=chunks > 1, NORMALIZE=normalize, HAS_WEIGHT=weight is not None, STORE_RUNNING=store_running,
             num_warps=num_warps,
@@ -520,25 +522,19 @@ def integral_forward(
 def integral_backward(
     grad_output: torch.Tensor,
     grad_last: torch.Tensor | None,
-    signal: torch.Tensor,
-    noise: torch.Tensor,
-    lambda_: torch.Tensor,
-    inverse_count: torch.Tensor,
-    row_flags: torch.Tensor,
-    carry: torch.Tensor | None,
-    weight: torch.Tensor | None,
+    inputs: IntegralInputs,
+    restarts: torch.Tensor | None,
     normalize: bool,
     eps: float,
-    inclusive: torch.Tensor | None,
-    restarts: torch.Tensor | None,
     grad_signal: torch.Tensor,
     grad_noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backward kernels: writes dO1 and dO2 into `grad_signal`, `grad_noise` (O1's shape and dtype, channels
     contiguous: views of one gradient where O1 and O2 are views of one output) and returns dlambda per row
     `[B, T, heads]`, the weight's gradient `[C]` and the carry's `[B, heads, C]` (fp32; None without them).
-    Arguments as `integral_forward`'s, with its `inclusive` and `restarts`, and the gradients of its output and of
-    `last_sum` (or None)."""
+    `inputs` holds `integral_forward`'s tensor arguments and its `inclusive`; `restarts`, `normalize` and `eps` are
+    its too; `grad_output` and `grad_last` are the gradients of its output and of `last_sum` (or None)."""
+    signal, noise, lambda_, inverse_count, row_flags, carry, inclusive, weight = inputs
     batch_size, query_length, heads, channels, chunk_rows, chunks = _launch_shape(signal)
     lambda_rows, inverse_count, row_flags, carry = _common_arguments(
         signal, noise, lambda_, inverse_count, row_flags, carry
@@ -557,13 +553,11 @@ def integral_backward(
 
     def launch(heads_only: bool, right_inclusive: torch.Tensor | None, heads_sum: torch.Tensor | None) -> None:
         _integral_backward_kernel[(batch_heads * chunks,)](
-            signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight,
+            *_kernel_inputs(signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight),
             grad_output, grad_last, right_inclusive,
             grad_signal, grad_noise, grad_lambda, grad_weight, grad_carry, heads_sum,
             query_length, heads, chunks, channels, eps,
-            *signal.stride()[:3], *noise.stride()[:3], *lambda_rows.stride(), *inverse_count.stride(),
-            *row_flags.stride(), *_carry_strides(carry), *grad_output.stride()[:3], *grad_signal.stride()[:3],
-            *grad_noise.stride()[:3],
+            *grad_output.stride()[:3], *grad_signal.stride()[:3], *grad_noise.stride()[:3],
             CHUNK_ROWS=chunk_rows, BLOCK_CHANNELS=block_channels, HAS_CARRY=carry is not None,
             MULTI_CHUNK=chunks > 1, NORMALIZE=normalize, HAS_WEIGHT=weight is not None,
             HAS_GRAD_LAST=grad_last is not None, HEADS_ONLY=heads_only, num_warps=num_warps,
@@ -639,9 +633,9 @@ class TritonIntegral(torch.autograd.Function):
             grad_attention_output = None
             grad_signal = torch.empty(signal.shape, dtype=signal.dtype, device=signal.device)
             grad_noise = torch.empty(noise.shape, dtype=noise.dtype, device=noise.device)
+        inputs = IntegralInputs(signal, noise, lambda_, inverse_count, row_flags, carry, inclusive, weight)
         grad_lambda, grad_weight, grad_carry = integral_backward(
-            grad_output, grad_last, signal, noise, lambda_, inverse_count, row_flags, carry, weight, ctx.normalize,
-            ctx.eps, inclusive, restarts, grad_signal, grad_noise,
+            grad_output, grad_last, inputs, restarts, ctx.normalize, ctx.eps, grad_signal, grad_noise
         )
         if lambda_.dim() == grad_lambda.dim() + 1:
             grad_lambda = grad_lambda.unsqueeze(-1)

@@ -103,10 +103,12 @@ def launch_every_variant() -> None:
                         store_running=carry is not None,
                     )
                     for grad_last in (None, torch.zeros(batch_size, heads, channels)):
+                        inputs = triton_kernel.IntegralInputs(
+                            signal, noise, lambda_, inverse_count, row_flags, carry, inclusive, weight
+                        )
                         triton_kernel.integral_backward(
-                            torch.zeros_like(output), grad_last, signal, noise, lambda_, inverse_count, row_flags,
-                            carry, weight, head_layout == "v1", 1e-5, inclusive, restarts, torch.empty_like(signal),
-                            torch.empty_like(noise),
+                            torch.zeros_like(output), grad_last, inputs, restarts, head_layout == "v1", 1e-5,
+                            torch.empty_like(signal), torch.empty_like(noise),
                         )
 
 
@@ -123,7 +125,7 @@ def compile_every_variant(capability: int, patch) -> list[dict]:
         kernel = compile_and_launch(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append({
             "kernel": self.__name__,
-            "dtype": str(args[0].dtype).removeprefix("torch."),
+            "dtype": str((args[0][0] if isinstance(args[0], tuple) else args[0]).dtype).removeprefix("torch."),
             "arch": kernel.metadata.target.arch,
             "options": {key: value for key, value in kwargs.items() if key.isupper() or key == "num_warps"},
             "cubin": kernel.asm["cubin"],
