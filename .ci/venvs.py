@@ -26,24 +26,39 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def ensure_venv(path: str, torch_requirement: str, requirements: list[str]) -> str:
     """The python of the virtualenv at `path` with `torch_requirement` (e.g. `torch==2.13.0`) and `requirements`,
-    created unless it is already there with the same recipe. Raises with pip's output when an install fails."""
+    created unless it is already there with the same recipe. Raises with pip's output when an install fails.
+
+    A requirement on this repository (`-e REPO_ROOT[test]`) is part of the recipe without its path: a virtualenv a
+    clone elsewhere made (CI clones to a new folder) is kept, and only the package is installed again, from here,
+    without its dependencies (seconds, where making the virtualenv again takes minutes)."""
     python = os.path.join(path, "bin", "python")
     marker = os.path.join(path, ".dint-matrix-ready")
-    recipe = " ".join([torch_requirement, *requirements])
-    if os.path.exists(marker) and open(marker).read() == recipe:
-        return python
-    commands = [
-        [sys.executable, "-m", "venv", "--clear", path],
-        [python, *PIP_INSTALL, "--extra-index-url", TORCH_CPU_INDEX, torch_requirement],
-        [python, *PIP_INSTALL, *requirements],
-    ]
-    for command in commands:
-        result = run(command)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    with open(marker, "w") as file:
-        file.write(recipe)
+    installed_from = os.path.join(path, ".dint-matrix-repository")
+    recipe = " ".join([torch_requirement, *requirements]).replace(REPO_ROOT, "<repository>")
+    repository_requirements = [requirement for requirement in requirements if REPO_ROOT in requirement]
+    # (a marker written before the recipe dropped the path names the clone's path: read as this form too)
+    if os.path.exists(marker) and re.sub(r"-e \S+?(\[\w+\])", r"-e <repository>\1", open(marker).read()) == recipe:
+        if repository_requirements and _read(installed_from) != REPO_ROOT:
+            checked([python, *PIP_INSTALL, "--no-deps", "-e", *repository_requirements])
+    else:
+        checked([sys.executable, "-m", "venv", "--clear", path])
+        checked([python, *PIP_INSTALL, "--extra-index-url", TORCH_CPU_INDEX, torch_requirement])
+        checked([python, *PIP_INSTALL, *requirements])
+    for file_path, content in ((marker, recipe), (installed_from, REPO_ROOT)):
+        with open(file_path, "w") as file:
+            file.write(content)
     return python
+
+
+def _read(path: str) -> str | None:
+    return open(path).read() if os.path.exists(path) else None
+
+
+def checked(command: list[str]) -> None:
+    """Runs `command`; raises with its output where it fails."""
+    result = run(command)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
 def newest_release(package: str, index: str | None = None) -> str:
