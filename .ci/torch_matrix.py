@@ -18,7 +18,7 @@ import re
 import sys
 import time
 
-from venvs import REPO_ROOT, ensure_venv, newest_torch, pytest_summary, run
+from venvs import REPO_ROOT, ensure_venv, newest_torch, pytest_summary, repository_install, run
 
 
 FULL_RELEASES = ("2.11.0", "2.13.0")
@@ -58,7 +58,8 @@ def check_below_floor(venv_dir: str) -> str:
     python = ensure_venv(os.path.join(venv_dir, f"torch-{BELOW_FLOOR_RELEASE}"), f"torch=={BELOW_FLOOR_RELEASE}",
                          ["transformers<6", "safetensors"])
     # the package without its dependencies: they would replace the torch below the floor
-    install = run([python, "-m", "pip", "install", "--quiet", "--no-deps", "-e", REPO_ROOT])
+    with repository_install():
+        install = run([python, "-m", "pip", "install", "--quiet", "--no-deps", "-e", REPO_ROOT])
     if install.returncode != 0:
         return "FAIL: install: " + install.stderr.strip().splitlines()[-1]
     result = run([python, "-c", "import modeling_dint"], cwd="/")

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from venvs import ensure_venv, pytest_summary
+from venvs import ensure_venv, pytest_summary, repository_install
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,8 @@ def worker(python: str, mode: str, *args: str, block_package: bool = True) -> di
 
 def core_tests(python: str, release: str, test_files: tuple[str, ...]) -> str:
     """Installs the package against `release` and runs `test_files`; returns pytest's summary (e.g. '12 passed')."""
-    install = run([python, "-m", "pip", "install", "--quiet", "-e", REPO_ROOT, f"transformers=={release}"])
+    with repository_install():
+        install = run([python, "-m", "pip", "install", "--quiet", "-e", REPO_ROOT, f"transformers=={release}"])
     if install.returncode != 0:
         return "FAIL: install: " + install.stderr.strip().splitlines()[-1]
     summary, _, passed = pytest_summary(python, list(test_files))

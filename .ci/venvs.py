@@ -7,10 +7,13 @@ it is reachable (`torch==X` then resolves to the CPU build `X+cpu`), else from t
 find-links) or PyPI, whose Linux wheels are CUDA builds that run on a CPU too (several GB with their CUDA libraries).
 """
 
+import contextlib
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -24,13 +27,24 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
+@contextlib.contextmanager
+def repository_install():
+    """Held around every `pip install` of this repository: setuptools writes its metadata (`modeling_dint.egg-info`)
+    into the tree, and CI's two lanes install it side by side (`.ci/run` sets `DINT_CI_INSTALL_LOCK`)."""
+    lock_path = os.environ.get("DINT_CI_INSTALL_LOCK") or os.path.join(tempfile.gettempdir(), "dint-ci-install.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_venv(path: str, torch_requirement: str, requirements: list[str]) -> str:
     """The python of the virtualenv at `path` with `torch_requirement` (e.g. `torch==2.13.0`) and `requirements`,
     created unless it is already there with the same recipe. Raises with pip's output when an install fails.
 
     A requirement on this repository (`-e REPO_ROOT[test]`) is part of the recipe without its path: a virtualenv a
-    clone elsewhere made (CI clones to a new folder) is kept, and only the package is installed again, from here,
-    without its dependencies (seconds, where making the virtualenv again takes minutes)."""
+    clone elsewhere made (CI clones to a new folder) is kept, and only the package is installed again, from here
+    (seconds, where making the virtualenv again takes minutes; pip adds a dependency `setup.py` gained since, and
+    upgrades nothing: the recipe's releases are what it pins)."""
     python = os.path.join(path, "bin", "python")
     marker = os.path.join(path, ".dint-matrix-ready")
     installed_from = os.path.join(path, ".dint-matrix-repository")
@@ -39,11 +53,14 @@ def ensure_venv(path: str, torch_requirement: str, requirements: list[str]) -> s
     # (a marker written before the recipe dropped the path names the clone's path: read as this form too)
     if os.path.exists(marker) and re.sub(r"-e \S+?(\[\w+\])", r"-e <repository>\1", open(marker).read()) == recipe:
         if repository_requirements and _read(installed_from) != REPO_ROOT:
-            checked([python, *PIP_INSTALL, "--no-deps", "-e", *repository_requirements])
+            with repository_install():
+                checked([python, *PIP_INSTALL, "--extra-index-url", TORCH_CPU_INDEX, torch_requirement, "-e",
+                         *repository_requirements])
     else:
         checked([sys.executable, "-m", "venv", "--clear", path])
         checked([python, *PIP_INSTALL, "--extra-index-url", TORCH_CPU_INDEX, torch_requirement])
-        checked([python, *PIP_INSTALL, *requirements])
+        with repository_install() if repository_requirements else contextlib.nullcontext():
+            checked([python, *PIP_INSTALL, *requirements])
     for file_path, content in ((marker, recipe), (installed_from, REPO_ROOT)):
         with open(file_path, "w") as file:
             file.write(content)

@@ -76,7 +76,10 @@ def ensure_env() -> str:
         pip(python, "uninstall", "--quiet", "--yes", *BROKEN_WITHOUT_GPU_LIBRARIES)
         with open(marker, "w", encoding="utf-8") as file:
             file.write(VLLM_REQUIREMENT + "\n")
-    pip(python, "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", REPO_ROOT)
+    from venvs import repository_install
+
+    with repository_install():
+        pip(python, "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", REPO_ROOT)
     return python
 
 
