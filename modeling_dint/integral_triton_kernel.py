@@ -429,9 +429,10 @@ RowStrides = namedtuple(
     ["signal_t", "signal_h", "noise_t", "noise_h", "lambda_t", "lambda_h", "inverse_count_t", "row_flags_t", "carry_b",
      "carry_h"],
 )
-"""Their strides but the batch's (channels are contiguous), one tuple argument: Triton specializes on them as on any
-integer. The batch strides change with the length, so they are separate arguments the kernels do not specialize on
-(Triton specializes a tuple's integers whatever `do_not_specialize` says): a new length compiles nothing."""
+"""Their strides along the rows and heads, and the carry's (whose batch stride does not change with the length), one
+tuple argument: Triton specializes on them as on any integer (channels are contiguous). The other batch strides change
+with the length, so they are separate arguments the kernels do not specialize on (Triton specializes a tuple's
+integers whatever `do_not_specialize` says): a new length compiles nothing."""
 
 
 def _kernel_inputs(signal, noise, lambda_rows, inverse_count, row_flags, carry, inclusive, weight) -> tuple:

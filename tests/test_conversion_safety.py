@@ -365,14 +365,17 @@ CLI_FAILURES = [
 
 
 FORKED_CLI_SCRIPT = """
-import json, os, runpy, sys, traceback
+import json, os, runpy, signal, sys, traceback
 import modeling_dint.conversion.convert  # what `python -m modeling_dint.conversion` imports, imported once
 
 for name, (arguments, stdout_path, stderr_path) in json.load(sys.stdin).items():
     child = os.fork()
     if child == 0:  # `python -m modeling_dint.conversion ARGUMENTS` from here, its output in the two files
-        os.dup2(os.open(stdout_path, os.O_WRONLY | os.O_CREAT), 1)
-        os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT), 2)
+        signal.alarm(120)  # a case that hangs ends as killed by SIGALRM, not the whole module's run
+        for descriptor, path in ((1, stdout_path), (2, stderr_path)):
+            file = os.open(path, os.O_WRONLY | os.O_CREAT)
+            os.dup2(file, descriptor)
+            os.close(file)
         status = 0
         try:
             sys.argv = ["-m", *arguments]
@@ -388,7 +391,7 @@ for name, (arguments, stdout_path, stderr_path) in json.load(sys.stdin).items():
             status = 1
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(status)
+        os._exit(status)  # (no interpreter shutdown: the converter registers no atexit handler and starts no thread)
     _, wait_status = os.waitpid(child, 0)
     print(json.dumps([name, os.waitstatus_to_exitcode(wait_status)]), flush=True)
 """
