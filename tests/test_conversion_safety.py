@@ -397,10 +397,12 @@ for name, (arguments, stdout_path, stderr_path) in json.load(sys.stdin).items():
 """
 
 
-def run_forked_cli(cases: dict[str, list[str]], output_dir: Path, timeout: float = 300.0):
+def run_forked_cli(
+    cases: dict[str, list[str]], output_dir: Path, timeout: float = 300.0
+) -> dict[str, subprocess.CompletedProcess]:
     """Runs `python -m modeling_dint.conversion` with each case's arguments in a process of its own, forked from one
-    that imported the converter (and so torch and transformers) once; returns `{case: CompletedProcess}` and the
-    stderr of that process's imports. What a case prints is what its command prints after the imports."""
+    that imported the converter (and so torch and transformers) once; returns `{case: CompletedProcess}`. What a
+    case prints is what its command prints after the imports."""
     files = {name: [arguments, str(output_dir / f"{name}.stdout"), str(output_dir / f"{name}.stderr")]
              for name, arguments in cases.items()}
     server = subprocess.run([sys.executable, "-c", FORKED_CLI_SCRIPT], input=json.dumps(files), capture_output=True,
@@ -413,7 +415,7 @@ def run_forked_cli(cases: dict[str, list[str]], output_dir: Path, timeout: float
                                           Path(stderr).read_text())
         for name, (arguments, stdout, stderr) in files.items()
     }
-    return results, server.stderr
+    return results
 
 
 def run_processes(commands: dict[str, list[str]], timeout: float = 180.0) -> dict[str, subprocess.CompletedProcess]:
@@ -452,7 +454,7 @@ def cli_runs(tmp_path_factory):
     (root / "outputs").mkdir()
     try:
         results = run_processes(commands)
-        results.update(run_forked_cli(failures, root / "outputs")[0])
+        results.update(run_forked_cli(failures, root / "outputs"))
         runs = {}
         for case, result in results.items():
             after = tree_snapshot(root / case) if (root / case).is_dir() else None
