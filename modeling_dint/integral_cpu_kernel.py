@@ -453,6 +453,12 @@ def integral_kernel():
     return _state["op"]
 
 
+def built_integral_kernel():
+    """The op `integral_kernel` built: what a layer's call runs once its forward's plan chose the kernel (the plan read
+    `DINT_CPU_KERNEL` and built it), without reading the environment again per layer."""
+    return _state["op"]
+
+
 def packed_step_rows_kernel():
     """`torch.ops.<NAMESPACE>.packed_step_rows` (built with `integral_kernel`), or None where the kernel is not:
     the rows of a vLLM step, prepared once for every layer (`modeling_dint_vllm.VllmStepRows.prepared`)."""

@@ -38,6 +38,7 @@ from .integral_cpu_kernel import (
     ROW_VALID,
     blocked_running_sum,
     blocked_scan_is_exact,
+    built_integral_kernel,
     environment_variable,
     integral_kernel,
 )
@@ -325,11 +326,7 @@ def packed_request_rows(
 
 
 def segmented_running_sum(
-    rows: torch.Tensor,
-    layout: DintIntegralLayout,
-    carry: torch.Tensor | None = None,
-    running_sum: Callable | None = None,
-    query_dim: int = 1,
+    rows: torch.Tensor, layout: DintIntegralLayout, carry=None, running_sum: Callable | None = None, query_dim: int = 1
 ) -> torch.Tensor:
     """Inclusive running sum over the query rows of `rows`, in fp32, counting valid rows only, restarting at each
     document start, the carried sum first.
@@ -369,13 +366,7 @@ def segmented_running_sum(
     return torch.addcmul(running, layout.carry_kept.view(-1, *[1] * (rows.dim() - 1)).to(carry.dtype), carry)
 
 
-def combine_with_integral(
-    signal_output: torch.Tensor,
-    noise_output: torch.Tensor,
-    lambda_: torch.Tensor,
-    running_signal_sum: torch.Tensor,
-    inverse_query_count: torch.Tensor,
-) -> torch.Tensor:
+def combine_with_integral(signal_output, noise_output, lambda_, running_signal_sum, inverse_query_count):
     """The fast path's DINT output, `A1 V - lambda * A2 V + lambda * G V = O1 - lambda * (O2 - S / c)` (fp32).
 
     Args:
@@ -626,8 +617,16 @@ def kernel_head_norm(head_norm: nn.Module | None) -> tuple:
 
 
 def has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` does more than its class's `forward`: its own or global hooks, or a replaced `forward`
+    (Accelerate's offloading hooks): then a kernel or a fused product cannot stand in for the call."""
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
     )
 
 
@@ -683,13 +682,7 @@ class DintIntegral:
         self.layer_idx = layer_idx
 
     def __call__(
-        self,
-        signal_output: torch.Tensor,
-        noise_output: torch.Tensor,
-        lambda_: torch.Tensor,
-        layout: DintIntegralLayout | None,
-        head_norm: nn.Module | None = None,
-        state: DintIntegralState | None = None,
+        self, signal_output, noise_output, lambda_, layout: DintIntegralLayout | None, head_norm=None, state=None
     ) -> torch.Tensor:
         """The fast path: `head_norm(O1 - lambda * O2 + lambda * running_mean(O1))`.
 
@@ -705,9 +698,12 @@ class DintIntegral:
             `[B, T, heads, C]`: with `head_norm`, the normalized combination in O1's dtype; without, the combination in
             fp32 (the model's dtype for integral "none"), for a caller that normalizes it itself.
         """
-        if self.mode == "none":  # DiffLlama's arithmetic, op for op (a fused addcmul rounds differently)
-            combined = signal_output - lambda_ * noise_output
-            return combined if head_norm is None else head_norm(combined).to(signal_output.dtype)
+        if self.mode == "none":  # DIFF: v1 as DiffLlama, op for op (bit for bit); v2 in one op (rounded once if fused)
+            if lambda_.dim() == 0:
+                combined = signal_output - lambda_ * noise_output
+            else:
+                combined = torch.addcmul(signal_output, lambda_, noise_output, value=-1)
+            return combined if head_norm is None else normalized(combined, head_norm, signal_output.dtype)
         state = layout.state if state is None else state
         if layout.implementation is None:  # a caller's own layout (vLLM's): planned by its first call
             plan_integral(layout, state, signal_output.device, signal_output.dtype, signal_output.numel(), False, False)
@@ -785,7 +781,7 @@ def kernel_integral(layer_idx: int, signal_output, noise_output, lambda_, layout
             *arguments, *kernel_head_norm(head_norm), store_running=recording
         )
     else:
-        output, last_signal_sum = integral_kernel()(*arguments, *kernel_head_norm(head_norm))
+        output, last_signal_sum = built_integral_kernel()(*arguments, *kernel_head_norm(head_norm))
     if state is not None:
         state.store(last_signal_sum, layer_idx, SIGNAL_SUM, running_signal_sum)
     return output
@@ -819,7 +815,7 @@ def packed_requests_kernel(
     Returns:
         The normalized combination in O1's dtype and shape (`output` where given).
     """
-    combined, _ = integral_kernel()(
+    combined, _ = built_integral_kernel()(
         signal_output, noise_output, lambda_, inverse_count, row_flags, None, *kernel_head_norm(head_norm),
         state_table, carry_slot, store_slot, output,
     )

@@ -54,7 +54,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_dint import check_dint_cache
 from .configuration_dint import BUILT_MODELS, DINT_LAYER_TYPE, MATERIALIZING, ONE_PASS, DintConfig, attention_path
-from .integral_dint import DintIntegral, DintIntegralLayout, DintIntegralState, forward_integral_layout
+from .integral_dint import DintIntegral, DintIntegralLayout, DintIntegralState, forward_integral_layout, has_hooks
 from .masking_dint import DINT_QUERY_VALID_KEY, check_padding_mask_length, create_dint_masks, default_position_ids
 
 
@@ -133,8 +133,9 @@ class DintLambdaGate(nn.Module):
 
 class DintAttention(nn.Module):
     """Differential-integral attention (DINT, arXiv 2501.17486): what both head layouts share. A layout (`DintV1Attention`,
-    `DintV2Attention`) supplies lambda (`differential_lambda`) and the signal and noise outputs (`differential_outputs`,
-    fast path) or maps (`differential_maps`, materializing path); `DintIntegral` adds the integral, the same for both.
+    `DintV2Attention`) supplies the queries and lambda (`query_and_lambda`) and the signal and noise outputs
+    (`differential_outputs`, fast path) or maps (`differential_maps`, materializing path); `DintIntegral` adds the
+    integral, the same for both.
     """
 
     def __init__(self, config: DintConfig, layer_idx: int):
@@ -188,7 +189,9 @@ class DintAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        # DINT: the layout's query projection and lambda (fp32: a scalar, or [B, T, H/2, 1]), one product where it can
+        query_states, lambda_ = self.query_and_lambda(hidden_states)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
@@ -199,8 +202,7 @@ class DintAttention(nn.Module):
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-        # --- DINT: the layout's signal and noise outputs (or maps) and lambda, then the integral ---
-        lambda_ = self.differential_lambda(hidden_states)  # fp32: a scalar, or [B, T, H/2, 1]
+        # --- DINT: the layout's signal and noise outputs (or maps), then the integral ---
         attn_implementation = self.config._attn_implementation  # read once: a config attribute costs microseconds
         path = dint_path or attention_path(attn_implementation, self.integral.mode, self.config.one_pass_attention)
         if path == MATERIALIZING:
@@ -255,6 +257,10 @@ class DintV1Attention(DintAttention):
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lambda_full()
 
+    def query_and_lambda(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query projection `[B, T, H * d]` and the layer's lambda (a fp32 scalar)."""
+        return self.q_proj(hidden_states), self.lambda_full()
+
     def differential_outputs(
         self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,15 +304,87 @@ class DintV2Attention(DintAttention):
         super().__init__(config, layer_idx)
         self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
         self.lambda_gate = DintLambdaGate(config.num_differential_heads) if config.lambda_gate else None
+        self.query_lambda_weight = None  # `fused_query_lambda_weight`'s storage: not saved, set by a call
+        self.lambda_weight_pointer = None
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` where the config has it, from the
         attention's input `x` `[B, T, hidden_size]`. The one lambda every integral path reads (fast path, the
         materializing path and `dint_attention_map`, the CPU kernel, continuous batching)."""
-        lambda_ = torch.sigmoid(self.lambda_proj(hidden_states).float())
+        return self.lambda_from_projection(self.lambda_proj(hidden_states))
+
+    def lambda_from_projection(self, lambda_logits: torch.Tensor) -> torch.Tensor:
+        """`lambda_proj(x)` `[B, T, H/2]` -> lambda `[B, T, H/2, 1]` fp32 (`differential_lambda`)."""
+        lambda_ = torch.sigmoid(lambda_logits.float())
         if self.lambda_gate is not None:
             lambda_ = self.lambda_gate(lambda_)
         return lambda_.unsqueeze(-1)
+
+    def query_and_lambda(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query projection `[B, T, H * d]` and lambda `[B, T, H/2, 1]` (fp32). Without a gradient, one product
+        of the weight q_proj's and lambda_proj's share (`fused_query_lambda_weight`); else each module's."""
+        weight = None if torch.is_grad_enabled() else self.fused_query_lambda_weight()
+        if weight is None:
+            return self.q_proj(hidden_states), self.differential_lambda(hidden_states)
+        product = nn.functional.linear(hidden_states, weight)  # [B, T, H * d + H/2]
+        query_channels = self.num_heads * self.head_dim
+        return product[..., :query_channels], self.lambda_from_projection(product[..., query_channels:])
+
+    def fused_query_lambda_weight(self) -> torch.Tensor | None:
+        """`[H * d + H/2, hidden_size]`, the one storage q_proj's and lambda_proj's weights are views of, or None where
+        their modules must run: compiling or tracing, with a bias, hooks or a wrapper (PEFT, quantization, offloading),
+        or weights that are not plain parameters of one device and dtype. The first call that can fuses them (and
+        the first after they were replaced or moved); the saved keys do not change, and a write into either weight,
+        in place or through `.data`, is a write into this storage (docs/design.md section 11)."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a graph would hold the storage as a constant
+            return None
+        q_proj, lambda_proj, fused = self.q_proj, self.lambda_proj, self.query_lambda_weight
+        if (
+            type(q_proj) is not nn.Linear
+            or type(lambda_proj) is not nn.Linear
+            or q_proj.bias is not None
+            or has_hooks(q_proj)
+            or has_hooks(lambda_proj)
+        ):
+            return None
+        if (
+            fused is not None
+            and q_proj.weight.data_ptr() == fused.data_ptr()
+            and lambda_proj.weight.data_ptr() == self.lambda_weight_pointer
+        ):
+            return fused
+        return self.fuse_query_lambda()
+
+    def fuse_query_lambda(self) -> torch.Tensor | None:
+        """Makes q_proj's and lambda_proj's weights views of one new storage with their values (None where they are
+        not plain parameters of one device and dtype in this process's memory: meta, quantized, distributed, shared)."""
+        self.query_lambda_weight = None
+        query_weight, lambda_weight = self.q_proj.weight, self.lambda_proj.weight
+        if (
+            type(query_weight) is not nn.Parameter
+            or type(lambda_weight) is not nn.Parameter
+            or query_weight.device != lambda_weight.device
+            or query_weight.device.type == "meta"
+            or query_weight.dtype != lambda_weight.dtype
+            or query_weight.is_shared()  # shared with other processes (`share_memory()`): they must keep seeing it
+        ):
+            return None
+        query_rows = query_weight.shape[0]
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, also when fused in inference mode
+            fused = torch.cat([query_weight.detach(), lambda_weight.detach()])
+            query_weight.data, lambda_weight.data = fused[:query_rows], fused[query_rows:]
+        self.query_lambda_weight, self.lambda_weight_pointer = fused, lambda_weight.data_ptr()
+        return fused
+
+    def __getstate__(self):
+        # A copy or pickle (`copy.deepcopy`, `torch.save(model)`) holds its weights apart: its first call fuses them.
+        return {**self.__dict__, "query_lambda_weight": None}
+
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.half()`, ...: each weight moves out of the fused storage; the next call fuses again. Dropping it
+        # here frees it at once (a model moved off a GPU keeps nothing there).
+        self.query_lambda_weight = None
+        return super()._apply(fn, recurse)
 
     def differential_outputs(
         self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
@@ -315,7 +393,8 @@ class DintV2Attention(DintAttention):
         attn_output, _ = attention_interface(
             self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        return attn_output[:, :, 0::2], attn_output[:, :, 1::2]
+        signal_output, noise_output = attn_output.unflatten(2, (-1, 2)).unbind(3)  # heads 2i and 2i+1: views
+        return signal_output, noise_output
 
     def differential_maps(self, attn_weights, value_states) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A1, A2 `[B, H/2, T, K]` (the even and odd maps) and each differential head's values `[B, H/2, K, d]`."""

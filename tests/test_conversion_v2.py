@@ -219,7 +219,8 @@ def test_lora_on_the_converted_v2_trains_the_gate_saves_and_reloads(tmp_path):
     merged = reloaded.merge_and_unload()
     assert type(merged) is DintForCausalLM
     merged.save_pretrained(tmp_path / "merged")
-    torch.testing.assert_close(logits_of(load_dint(tmp_path / "merged"), probe), adapted, rtol=0, atol=1e-5)
+    # Merged, q_proj and lambda_proj run as one product (LoRA-wrapped they run as two): fp32 rounding apart.
+    torch.testing.assert_close(logits_of(load_dint(tmp_path / "merged"), probe), adapted, rtol=1e-5, atol=1e-5)
 
 
 def test_cli_converts_to_v2_with_dtype_and_shards_and_refuses_v1_options(tmp_path, capsys):
