@@ -7,16 +7,19 @@ query heads <= 1.05), measured without a GPU.
     python bench/decode_overhead.py                  # bench/results/decode_overhead/cpu/results.{json,md}
 
 The models are `gpu_bf16.py`'s (`--smoke` shapes: hidden 64, 4 softmax maps, 2 KV heads, vocab 256; `--layers`
-layers), fp32, the dynamic cache after a 16-token prompt; a round decodes `--tokens` tokens with each model in turn (the
-order rotates); a ratio is the median over the rounds of the per-round ratios (paired median). One thread.
+layers), fp32, the dynamic cache after a 16-token prompt. A round decodes `--tokens` tokens with every model, step by
+step in turn (each step's order rotates), so that a drift of the machine's speed falls on all models alike; a model's
+time in a round is the sum of its steps'. A ratio is the median over the rounds of the per-round ratios (paired
+median). One thread, the garbage collector off.
 """
 
 import argparse
-import functools
+import copy
 import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -29,21 +32,91 @@ from run_benchmark import timed_region  # noqa: E402
 
 
 MODELS = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v1", "diffllama")
-PAIRS = (("dint_v2", "llama_2h"), ("dint_v2", "diff_v2"), ("diff_v2", "llama_2h"), ("dint_v1", "diffllama"))
+FLOORS = ("diff_v2_floor", "llama_attention_in_dint")
+"""Two bench-only reconstructions from DIFF-V2's weights, each with its own attention forward (`floor_forward`): DIFF
+V2's arithmetic alone (one product for the queries and lambda, the attention call, sigmoid, one addcmul: what eager
+torch cannot go below), and Llama's attention (lambda and the noise maps dropped: what DINT's model costs around its
+attention). Their outputs are not DIFF V2's (the second's is not even a model's); only their time is of use."""
+PAIRS = (
+    ("dint_v2", "llama_2h"), ("dint_v2", "diff_v2"), ("diff_v2", "llama_2h"), ("dint_v1", "diffllama"),
+    ("diff_v2_floor", "llama_2h"), ("llama_attention_in_dint", "llama_2h"),
+)
 
 
-def decode_seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
-    """Greedy decoding with the dynamic cache, model forward by forward (no generate() around it)."""
+def floor_forward(self, hidden_states, position_embeddings, attention_mask, integral_layout=None, dint_path=None,
+                  **kwargs):
+    """A `DintV2Attention.forward` with nothing but the ops: `FLOORS`. `self.floor` names which."""
+    from modeling_dint.modeling_dint import ALL_ATTENTION_FUNCTIONS, CACHE_ARGUMENT, apply_rotary_pos_emb
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_channels = self.num_heads * self.head_dim
+    if self.floor == "diff_v2_floor":
+        product = torch.nn.functional.linear(hidden_states, self.query_lambda_weight)
+        query_states = product[..., :query_channels]
+        lambda_ = torch.sigmoid(product[..., query_channels:]).unsqueeze(-1)
+    else:
+        query_states = self.q_proj(hidden_states)
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    cache = kwargs.pop(CACHE_ARGUMENT, None)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    attn_output, _ = attention_interface(
+        self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+    )
+    signal_output, noise_output = attn_output.unflatten(2, (-1, 2)).unbind(3)
+    if self.floor == "diff_v2_floor":
+        attn_output = torch.addcmul(signal_output, lambda_, noise_output, value=-1)
+    else:
+        attn_output = signal_output
+    return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
+
+def floor_model(diff_v2, floor: str):
+    """A copy of DIFF-V2 whose attentions run `floor_forward` (`FLOORS`)."""
+    model = copy.deepcopy(diff_v2)
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.floor = floor
+        with torch.no_grad():
+            attention.fuse_query_lambda()
+        attention.forward = types.MethodType(floor_forward, attention)
+    return model
+
+
+def interleaved_rounds(models: dict, prompt: torch.Tensor, rounds: int, tokens: int) -> dict[str, list[float]]:
+    """Greedy decoding with the dynamic cache, model forward by forward (no generate() around it), the models' steps
+    interleaved: `{name: [seconds per token, one per round]}` after a warm-up round."""
     from transformers import DynamicCache
 
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        logits = model(prompt, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
-        started = time.perf_counter()
-        for _ in range(tokens):
-            token = logits[:, -1:].argmax(-1)
-            logits = model(token, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
-        return (time.perf_counter() - started) / tokens
+    names = list(models)
+    samples = {name: [] for name in names}
+    with torch.no_grad(), timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
+        for round_index in range(rounds + 1):
+            caches = {name: DynamicCache(config=models[name].config) for name in names}
+            logits = {
+                name: models[name](prompt, **{bench_common.CACHE_ARGUMENT: caches[name]}, use_cache=True).logits
+                for name in names
+            }
+            spent = dict.fromkeys(names, 0.0)
+            for step in range(tokens):
+                shift = (round_index + step) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    token = logits[name][:, -1:].argmax(-1)
+                    started = time.perf_counter()
+                    logits[name] = models[name](
+                        token, **{bench_common.CACHE_ARGUMENT: caches[name]}, use_cache=True
+                    ).logits
+                    spent[name] += time.perf_counter() - started
+            if round_index:  # round 0 warms up
+                for name in names:
+                    samples[name].append(spent[name] / tokens)
+    return samples
 
 
 def main(argv=None) -> None:
@@ -57,19 +130,15 @@ def main(argv=None) -> None:
     shapes = gpu_bf16.parse_args(["--device", "cpu", "--smoke"])
     shapes.layers = args.layers
     models = {name: model.float() for name, model in gpu_bf16.build_models(shapes, MODELS).items()}
+    models.update({floor: floor_model(models["diff_v2"], floor) for floor in FLOORS})
     prompt = torch.randint(0, models["dint_v2"].config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
 
-    def step(name: str) -> float:
-        with timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
-            return decode_seconds_per_token(models[name], prompt, args.tokens)
-
-    # a warm-up step each, then the rounds in a rotating order (`gpu_bf16.paired_rounds`)
-    samples, _ = gpu_bf16.paired_rounds("cpu", {name: functools.partial(step, name) for name in MODELS}, args.rounds)
+    samples = interleaved_rounds(models, prompt, args.rounds, args.tokens)
     result = {
         "argv": sys.argv,
         "machine": bench_common.machine_info("cpu"),
         "seconds_per_token": samples,
-        "median_ms_per_token": {name: 1e3 * statistics.median(samples[name]) for name in MODELS},
+        "median_ms_per_token": {name: 1e3 * statistics.median(samples[name]) for name in samples},
         "paired_ratios": {
             f"{a} / {b}": statistics.median(x / y for x, y in zip(samples[a], samples[b])) for a, b in PAIRS
         },

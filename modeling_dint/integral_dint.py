@@ -616,6 +616,10 @@ def kernel_head_norm(head_norm: nn.Module | None) -> tuple:
     return head_norm.weight, True, FP32_EPS if head_norm.eps is None else head_norm.eps
 
 
+_GLOBAL_FORWARD_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+"""torch's global hooks (`register_module_forward_hook`, `..._pre_hook`): dictionaries it fills in place."""
+
+
 def has_hooks(module: nn.Module) -> bool:
     """Whether calling `module` does more than its class's `forward`: its own or global hooks, or a replaced `forward`
     (Accelerate's offloading hooks): then a kernel or a fused product cannot stand in for the call."""
@@ -625,8 +629,8 @@ def has_hooks(module: nn.Module) -> bool:
         or module._backward_hooks
         or module._backward_pre_hooks
         or "forward" in module.__dict__
-        or nn.modules.module._global_forward_hooks
-        or nn.modules.module._global_forward_pre_hooks
+        or _GLOBAL_FORWARD_HOOKS[0]
+        or _GLOBAL_FORWARD_HOOKS[1]
     )
 
 

@@ -339,18 +339,17 @@ class DintV2Attention(DintAttention):
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a graph would hold the storage as a constant
             return None
         q_proj, lambda_proj, fused = self.q_proj, self.lambda_proj, self.query_lambda_weight
-        if (
-            type(q_proj) is not nn.Linear
-            or type(lambda_proj) is not nn.Linear
-            or q_proj.bias is not None
-            or has_hooks(q_proj)
-            or has_hooks(lambda_proj)
-        ):
+        if type(q_proj) is not nn.Linear or type(lambda_proj) is not nn.Linear:
+            return None
+        if has_hooks(q_proj) or has_hooks(lambda_proj):
+            return None
+        query_parameters = q_proj._parameters  # the dictionary, not `q_proj.weight`: nn.Module's __getattr__ is slow
+        if query_parameters["bias"] is not None:
             return None
         if (
             fused is not None
-            and q_proj.weight.data_ptr() == fused.data_ptr()
-            and lambda_proj.weight.data_ptr() == self.lambda_weight_pointer
+            and query_parameters["weight"].data_ptr() == fused.data_ptr()
+            and lambda_proj._parameters["weight"].data_ptr() == self.lambda_weight_pointer
         ):
             return fused
         return self.fuse_query_lambda()
