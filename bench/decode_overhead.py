@@ -7,15 +7,16 @@ query heads <= 1.05), measured without a GPU.
     python bench/decode_overhead.py                  # bench/results/decode_overhead/cpu/results.{json,md}
 
 The models are `gpu_bf16.py`'s (`--smoke` shapes: hidden 64, 4 softmax maps, 2 KV heads, vocab 256; `--layers`
-layers), fp32, the dynamic cache after a 16-token prompt; a round decodes `--tokens` tokens with each model in turn (the
-order rotates), each model's steps back to back as in real decoding (interleaving single steps instead read every DINT
-ratio 2-5% higher on the 2-core EPYC: each step then starts on caches another model filled); a ratio is the median over
-the rounds of the per-round ratios (paired median). One thread.
+layers), fp32, the dynamic cache after a 16-token prompt. A round decodes `--tokens` tokens with every model, in turns
+of `--block` steps (the order rotates per turn): a model's steps run back to back as in real decoding, and the models
+share every stretch of the machine's speed, which on the 2-core EPYC VM drifts by tens of percent within seconds. (One
+step per turn read every DINT ratio 2-5% higher: each step then starts on caches another model filled. Whole rounds per
+turn put seconds between the pair's samples.) A ratio is the median over the rounds of the per-round ratios (paired
+median). One thread, the garbage collector off.
 """
 
 import argparse
 import copy
-import functools
 import os
 import statistics
 import sys
@@ -90,18 +91,36 @@ def floor_model(diff_v2, floor: str):
     return model
 
 
-def decode_seconds_per_token(model, prompt: torch.Tensor, tokens: int) -> float:
-    """Greedy decoding with the dynamic cache, model forward by forward (no generate() around it)."""
+def interleaved_rounds(models: dict, prompt: torch.Tensor, rounds: int, tokens: int, block: int) -> dict:
+    """Greedy decoding with the dynamic cache, model forward by forward (no generate() around it): per round, each
+    model decodes `tokens` tokens, `block` steps at a time in turn (the order rotates per turn). `{name: [seconds per
+    token, one per round]}`, after a warm-up round."""
     from transformers import DynamicCache
 
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        logits = model(prompt, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
-        started = time.perf_counter()
-        for _ in range(tokens):
-            token = logits[:, -1:].argmax(-1)
-            logits = model(token, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
-        return (time.perf_counter() - started) / tokens
+    names = list(models)
+    samples = {name: [] for name in names}
+    with torch.no_grad(), timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
+        for round_index in range(rounds + 1):
+            caches = {name: DynamicCache(config=models[name].config) for name in names}
+            logits = {
+                name: models[name](prompt, **{bench_common.CACHE_ARGUMENT: caches[name]}, use_cache=True).logits
+                for name in names
+            }
+            spent = dict.fromkeys(names, 0.0)
+            for turn in range(0, tokens, block):
+                shift = (round_index + turn // block) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    model, cache, model_logits = models[name], caches[name], logits[name]
+                    started = time.perf_counter()
+                    for _ in range(min(block, tokens - turn)):
+                        token = model_logits[:, -1:].argmax(-1)
+                        model_logits = model(token, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
+                    spent[name] += time.perf_counter() - started
+                    logits[name] = model_logits
+            if round_index:  # round 0 warms up
+                for name in names:
+                    samples[name].append(spent[name] / tokens)
+    return samples
 
 
 def main(argv=None) -> None:
@@ -109,6 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per model and round")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--block", type=int, default=8, help="steps a model decodes before the next model's turn")
     parser.add_argument("--output-dir", default=bench_common.results_dir("decode_overhead", "cpu"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -118,13 +138,7 @@ def main(argv=None) -> None:
     models.update({floor: floor_model(models["diff_v2"], floor) for floor in FLOORS})
     prompt = torch.randint(0, models["dint_v2"].config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
 
-
-    def step(name: str) -> float:
-        with timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
-            return decode_seconds_per_token(models[name], prompt, args.tokens)
-
-    # a warm-up step each, then the rounds in a rotating order (`gpu_bf16.paired_rounds`)
-    samples, _ = gpu_bf16.paired_rounds("cpu", {name: functools.partial(step, name) for name in models}, args.rounds)
+    samples = interleaved_rounds(models, prompt, args.rounds, args.tokens, args.block)
     result = {
         "argv": sys.argv,
         "machine": bench_common.machine_info("cpu"),
@@ -144,7 +158,7 @@ def main(argv=None) -> None:
         f"{result['machine']['transformers']}; commit {result['machine']['git_commit']}; "
         f"{result['machine']['date_utc']}.",
         f"Command: `DINT_INTEGRAL_KERNEL={kernel_setting} python {' '.join(sys.argv)}`; {layers} layers, {args.rounds} "
-        f"rounds of {args.tokens} tokens.", "",
+        f"rounds of {args.tokens} tokens in turns of {args.block}.", "",
         "| model | ms per token | per token / layers (us) |", "| --- | ---: | ---: |",
         *(f"| {name} | {ms:.3f} | {1e3 * ms / layers:.1f} |" for name, ms in result["median_ms_per_token"].items()),
         "", "| pair | paired median ratio |", "| --- | ---: |",
