@@ -131,6 +131,15 @@ class DintLambdaGate(nn.Module):
         return lambda_ * self.weight.float()
 
 
+def owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is all of its storage (and the storage is not shared with other processes on the CPU), not a
+    view into a larger buffer that its owner writes (FSDP's and DeepSpeed's flat parameters)."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type == "cpu" and storage.is_shared():
+        return False
+    return tensor.storage_offset() == 0 and storage.nbytes() == tensor.numel() * tensor.element_size()
+
+
 class DintAttention(nn.Module):
     """Differential-integral attention (DINT, arXiv 2501.17486): what both head layouts share. A layout (`DintV1Attention`,
     `DintV2Attention`) supplies the queries and lambda (`query_and_lambda`) and the signal and noise outputs
@@ -226,6 +235,10 @@ class DintAttention(nn.Module):
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
+    def query_and_lambda(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query projection `[B, T, H * d]` and the layout's lambda (`differential_lambda`, fp32)."""
+        return self.q_proj(hidden_states), self.differential_lambda(hidden_states)
+
     def softmax_maps(self, query_states, key_states, key_valid) -> torch.Tensor:
         """The materializing path's softmax maps `[B, H, T, K]`, one per query head; fully masked rows (padding) are 0,
         NaN-free in forward and backward."""
@@ -256,10 +269,6 @@ class DintV1Attention(DintAttention):
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lambda_full()
-
-    def query_and_lambda(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query projection `[B, T, H * d]` and the layer's lambda (a fp32 scalar)."""
-        return self.q_proj(hidden_states), self.lambda_full()
 
     def differential_outputs(
         self, attention_interface, one_pass, query_states, key_states, value_states, attention_mask, **kwargs
@@ -325,51 +334,65 @@ class DintV2Attention(DintAttention):
         of the weight q_proj's and lambda_proj's share (`fused_query_lambda_weight`); else each module's."""
         weight = None if torch.is_grad_enabled() else self.fused_query_lambda_weight()
         if weight is None:
-            return self.q_proj(hidden_states), self.differential_lambda(hidden_states)
+            return super().query_and_lambda(hidden_states)
         product = nn.functional.linear(hidden_states, weight)  # [B, T, H * d + H/2]
         query_channels = self.num_heads * self.head_dim
         return product[..., :query_channels], self.lambda_from_projection(product[..., query_channels:])
 
     def fused_query_lambda_weight(self) -> torch.Tensor | None:
         """`[H * d + H/2, hidden_size]`, the one storage q_proj's and lambda_proj's weights are views of, or None where
-        their modules must run: compiling or tracing, with a bias, hooks or a wrapper (PEFT, quantization, offloading),
-        or weights that are not plain parameters of one device and dtype. The first call that can fuses them (and
-        the first after they were replaced or moved); the saved keys do not change, and a write into either weight,
-        in place or through `.data`, is a write into this storage (docs/design.md section 11)."""
+        their modules must run: compiling or tracing, a bias, hooks, a wrapper (PEFT, quantization, offloading), an
+        overridden `differential_lambda`, or weights `fuse_query_lambda` may not rebind. The first call that can fuses
+        them (and the first after they were replaced or moved); the saved keys do not change, and a write into either
+        weight, in place or through `.data`, is a write into this storage (docs/design.md section 11)."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a graph would hold the storage as a constant
             return None
         q_proj, lambda_proj, fused = self.q_proj, self.lambda_proj, self.query_lambda_weight
-        if type(q_proj) is not nn.Linear or type(lambda_proj) is not nn.Linear:
-            return None
-        if has_hooks(q_proj) or has_hooks(lambda_proj):
-            return None
-        query_parameters = q_proj._parameters  # the dictionary, not `q_proj.weight`: nn.Module's __getattr__ is slow
-        if query_parameters["bias"] is not None:
-            return None
-        if (
+        # the dictionaries, not `q_proj.weight`: nn.Module's __getattr__ is slow
+        query_weight, lambda_weight = q_proj._parameters.get("weight"), lambda_proj._parameters.get("weight")
+        current = (
             fused is not None
-            and query_parameters["weight"].data_ptr() == fused.data_ptr()
-            and lambda_proj._parameters["weight"].data_ptr() == self.lambda_weight_pointer
+            and type(query_weight) is nn.Parameter  # (before `data_ptr`: torch.func passes tensors without storage)
+            and type(lambda_weight) is nn.Parameter
+            and query_weight.data_ptr() == fused.data_ptr()
+            and lambda_weight.data_ptr() == self.lambda_weight_pointer
+        )
+        if (
+            type(q_proj) is not nn.Linear
+            or type(lambda_proj) is not nn.Linear
+            or has_hooks(q_proj)
+            or has_hooks(lambda_proj)
+            or q_proj._parameters.get("bias") is not None
+            or type(self).differential_lambda is not DintV2Attention.differential_lambda
         ):
-            return fused
-        return self.fuse_query_lambda()
+            if not current:  # nothing views it any more (offloaded, quantized, replaced): free it
+                self.query_lambda_weight = None
+            return None
+        return fused if current else self.fuse_query_lambda()
 
     def fuse_query_lambda(self) -> torch.Tensor | None:
-        """Makes q_proj's and lambda_proj's weights views of one new storage with their values (None where they are
-        not plain parameters of one device and dtype in this process's memory: meta, quantized, distributed, shared)."""
-        self.query_lambda_weight = None
-        query_weight, lambda_weight = self.q_proj.weight, self.lambda_proj.weight
-        if (
-            type(query_weight) is not nn.Parameter
-            or type(lambda_weight) is not nn.Parameter
-            or query_weight.device != lambda_weight.device
-            or query_weight.device.type == "meta"
-            or query_weight.dtype != lambda_weight.dtype
-            or query_weight.is_shared()  # shared with other processes (`share_memory()`): they must keep seeing it
-        ):
+        """Makes q_proj's and lambda_proj's weights views of one new storage with their values, or None where that
+        could hide a write from their owner: weights that are not plain parameters of one device and dtype, each
+        owning all of its storage (a view into a framework's flat buffer: FSDP, DeepSpeed), in a distributed run, or
+        in memory shared with other processes."""
+        previous, self.query_lambda_weight = self.query_lambda_weight, None
+        query_weight, lambda_weight = self.q_proj._parameters.get("weight"), self.lambda_proj._parameters.get("weight")
+        if type(query_weight) is not nn.Parameter or type(lambda_weight) is not nn.Parameter:
             return None
-        query_rows = query_weight.shape[0]
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, also when fused in inference mode
+            if previous is not None:  # a weight still viewing the old storage takes its own (the other was replaced)
+                for weight in (query_weight, lambda_weight):
+                    if weight.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr():
+                        weight.data = weight.detach().clone()
+            if not (
+                query_weight.device == lambda_weight.device
+                and query_weight.device.type != "meta"
+                and query_weight.dtype == lambda_weight.dtype
+                and all(owns_its_storage(weight) for weight in (query_weight, lambda_weight))
+                and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+            ):
+                return None
+            query_rows = query_weight.shape[0]
             fused = torch.cat([query_weight.detach(), lambda_weight.detach()])
             query_weight.data, lambda_weight.data = fused[:query_rows], fused[query_rows:]
         self.query_lambda_weight, self.lambda_weight_pointer = fused, lambda_weight.data_ptr()
@@ -377,7 +400,9 @@ class DintV2Attention(DintAttention):
 
     def __getstate__(self):
         # A copy or pickle (`copy.deepcopy`, `torch.save(model)`) holds its weights apart: its first call fuses them.
-        return {**self.__dict__, "query_lambda_weight": None}
+        state = super().__getstate__()
+        state["query_lambda_weight"] = None
+        return state
 
     def _apply(self, fn, recurse=True):
         # `.to()`, `.half()`, ...: each weight moves out of the fused storage; the next call fuses again. Dropping it

@@ -147,3 +147,21 @@ def test_the_eager_ops_on_cuda_read_bf16_outputs_as_their_fp32_casts(rows, monke
             assert planned.implementation == EAGER
     assert results[0].dtype == torch.bfloat16
     assert torch.equal(results[0][query_valid], results[1].to(torch.bfloat16)[query_valid])
+
+
+@cuda
+def test_v2_query_and_lambda_run_as_one_product_on_cuda():
+    """On CUDA too (not refused as memory shared with other processes): both weights views of one storage, the logits
+    those of the two products, and `model.cpu()` keeps nothing on the GPU."""
+    model = tiny_model(differential_attention="v2", num_key_value_heads=1).cuda()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 64), device="cuda")
+    with torch.no_grad():
+        fused = model(input_ids).logits
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert all(attention.query_lambda_weight is not None for attention in attentions)
+    assert all(attention.q_proj.weight.data_ptr() == attention.query_lambda_weight.data_ptr() for attention in attentions)
+    with torch.enable_grad():
+        separate = model(input_ids).logits.detach()
+    torch.testing.assert_close(fused, separate, rtol=0, atol=1e-5)
+    model.cpu()
+    assert all(attention.query_lambda_weight is None for attention in attentions)

@@ -149,3 +149,69 @@ def test_moving_the_model_frees_the_fused_storage_and_training_after_inference_m
     with torch.no_grad():
         model(input_ids)
     assert {layer.query_lambda_weight.dtype for layer in fused_layers(model)} == {torch.float64}
+
+
+def test_a_weight_replaced_alone_frees_the_old_storage_and_weights_viewing_a_buffer_are_not_rebound(model, input_ids):
+    with torch.no_grad():
+        model(input_ids)
+    attention = model.model.layers[0].self_attn
+    old_storage = attention.query_lambda_weight.untyped_storage().data_ptr()
+    attention.q_proj.weight = torch.nn.Parameter(attention.q_proj.weight.detach() * 1.5)  # q alone replaced
+    with torch.no_grad():
+        model(input_ids)
+    lambda_weight = attention.lambda_proj.weight
+    assert lambda_weight.untyped_storage().data_ptr() != old_storage  # lambda no longer keeps the old q rows alive
+    assert len(fused_layers(model)) == model.config.num_hidden_layers
+
+    # A framework's flat buffer (FSDP, DeepSpeed): the weights view it and it writes them there; never rebound.
+    other = model.model.layers[1].self_attn
+    flat = torch.cat([other.q_proj.weight.detach().flatten(), other.lambda_proj.weight.detach().flatten(), torch.zeros(3)])
+    query_rows, hidden = other.q_proj.weight.shape
+    other.query_lambda_weight = None
+    other.q_proj.weight.data = flat[: query_rows * hidden].view(query_rows, hidden)
+    other.lambda_proj.weight.data = flat[query_rows * hidden : -3].view(-1, hidden)
+    with torch.no_grad():
+        before = model(input_ids).logits
+        flat[: query_rows * hidden].mul_(1.5)  # the owner writes its buffer
+        after = model(input_ids).logits
+    assert other.query_lambda_weight is None and other.q_proj.weight.data_ptr() == flat.data_ptr()
+    assert not torch.allclose(before, after, atol=1e-3)
+
+
+def test_offloading_hooks_added_after_fusing_free_the_storage_and_torch_func_calls_run_as_modules(model, input_ids):
+    with torch.no_grad():
+        model(input_ids)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj.weight = torch.nn.Parameter(attention.q_proj.weight.detach().to("meta"))  # as offloading does
+    attention.q_proj.register_forward_pre_hook(lambda module, args: None)
+    attention.fused_query_lambda_weight()
+    assert attention.query_lambda_weight is None
+
+    fresh = tiny_model(**V2).eval()
+    with torch.no_grad():
+        expected = fresh(input_ids).logits
+    parameters = {name: parameter.detach().clone() for name, parameter in fresh.named_parameters()}
+    with torch.no_grad():  # plain tensors in place of the parameters (torch.func): the modules run
+        actual = torch.func.functional_call(fresh, parameters, (input_ids,)).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+
+
+def test_a_copy_of_a_compiled_attention_and_an_overridden_lambda(model, input_ids):
+    compiled = tiny_model(**V2).model.layers[0].self_attn
+    compiled.compile()  # not run: the copy must not keep a compiled call bound to the original
+    assert compiled.__dict__.get("_compiled_call_impl") is not None
+    assert copy.deepcopy(compiled).__dict__.get("_compiled_call_impl") is None
+
+    attention = model.model.layers[0].self_attn
+
+    class ScaledLambda(type(attention)):
+        def differential_lambda(self, hidden_states):
+            return 0.5 * super().differential_lambda(hidden_states)
+
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = ScaledLambda
+    with torch.no_grad():
+        without_gradient = model(input_ids).logits
+    with torch.enable_grad():
+        with_gradient = model(input_ids).logits.detach()
+    torch.testing.assert_close(without_gradient, with_gradient, rtol=0, atol=1e-6)
