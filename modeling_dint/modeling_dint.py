@@ -314,7 +314,6 @@ class DintV2Attention(DintAttention):
         self.lambda_proj = nn.Linear(config.hidden_size, config.num_differential_heads, bias=False)
         self.lambda_gate = DintLambdaGate(config.num_differential_heads) if config.lambda_gate else None
         self.query_lambda_weight = None  # `fused_query_lambda_weight`'s storage: not saved, set by a call
-        self.lambda_weight_pointer = None
 
     def differential_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[B, T, H/2, 1]` fp32: `sigmoid(lambda_proj(x))`, times `lambda_gate` where the config has it, from the
@@ -354,8 +353,8 @@ class DintV2Attention(DintAttention):
             fused is not None
             and type(query_weight) is nn.Parameter  # (before `data_ptr`: torch.func passes tensors without storage)
             and type(lambda_weight) is nn.Parameter
-            and query_weight.data_ptr() == fused.data_ptr()
-            and lambda_weight.data_ptr() == self.lambda_weight_pointer
+            and query_weight.data_ptr() == fused.data_ptr()  # q at the start, lambda right after it
+            and lambda_weight.data_ptr() == fused.data_ptr() + query_weight.numel() * query_weight.element_size()
         )
         if (
             type(q_proj) is not nn.Linear
@@ -395,7 +394,7 @@ class DintV2Attention(DintAttention):
             query_rows = query_weight.shape[0]
             fused = torch.cat([query_weight.detach(), lambda_weight.detach()])
             query_weight.data, lambda_weight.data = fused[:query_rows], fused[query_rows:]
-        self.query_lambda_weight, self.lambda_weight_pointer = fused, lambda_weight.data_ptr()
+        self.query_lambda_weight = fused
         return fused
 
     def __getstate__(self):

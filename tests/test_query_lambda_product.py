@@ -61,6 +61,7 @@ def test_one_product_gives_the_two_products_logits_and_the_saved_model_is_unchan
     [
         "data_write_in_place",  # p.data.mul_(): no version counter sees it
         "data_assignment",  # p.data = new tensor
+        "lambda_data_assignment",  # lambda's alone: q still views the fused storage
         "in_place_without_grad",  # EMA, optimizers: p.mul_(d).add_(...)
         "load_state_dict",
         "load_state_dict_assign",
@@ -79,6 +80,8 @@ def test_no_change_of_a_weight_leaves_the_product_stale(model, input_ids, change
             lambda_weight.data.add_(0.25)
         elif change == "data_assignment":
             query_weight.data = query_weight.detach() * 1.5
+            lambda_weight.data = lambda_weight.detach() + 0.25
+        elif change == "lambda_data_assignment":
             lambda_weight.data = lambda_weight.detach() + 0.25
         elif change == "in_place_without_grad":
             query_weight.mul_(0.5).add_(other["model.layers.1.self_attn.q_proj.weight"], alpha=0.5)
