@@ -4,7 +4,8 @@ Python, the dispatcher and the op count are nearly all of it, as in eager decodi
 the GPU waits on the host). A CPU-side proxy for `bench/gpu_bf16.py`'s eager decode target (DINT-V2 / Llama with 2h
 query heads <= 1.05), measured without a GPU.
 
-    python bench/decode_overhead.py                  # bench/results/decode_overhead/cpu/results.{json,md}
+    python bench/decode_overhead.py                  # bench/results/decode_overhead/cpu/results_auto.{json,md}
+    python bench/decode_overhead.py --position-ids   # generate()'s inputs: results_auto_position_ids.{json,md}
 
 The models are `gpu_bf16.py`'s (`--smoke` shapes: hidden 64, 4 softmax maps, 2 KV heads, vocab 256; `--layers`
 layers), fp32, the dynamic cache after a 16-token prompt. A round decodes `--tokens` tokens with every model, in turns
@@ -34,14 +35,16 @@ from run_benchmark import timed_region  # noqa: E402
 
 
 MODELS = ("dint_v2", "diff_v2", "llama_2h", "llama_h", "dint_v1", "diffllama")
-FLOORS = ("diff_v2_floor", "llama_attention_in_dint")
-"""Two bench-only reconstructions from DIFF-V2's weights, each with its own attention forward (`floor_forward`): DIFF
+FLOORS = ("diff_v2_floor", "dint_v2_floor", "llama_attention_in_dint")
+"""Three bench-only reconstructions from DIFF-V2's weights, each with its own attention forward (`floor_forward`): DIFF
 V2's arithmetic alone (one product for the queries and lambda, the attention call, sigmoid, one addcmul: what eager
-torch cannot go below), and Llama's attention (lambda and the noise maps dropped: what DINT's model costs around its
-attention). Their outputs are not DIFF V2's (the second's is not even a model's); only their time is of use."""
+torch cannot go below), DINT-V2's (DIFF V2's, plus the running sum added in place and one more addcmul per layer, and
+the count once per forward), and Llama's attention (lambda and the noise maps dropped: what DINT's model costs around
+its attention). Their outputs are not the models' (the last's is not even a model's); only their time is of use."""
 PAIRS = (
     ("dint_v2", "llama_2h"), ("dint_v2", "diff_v2"), ("diff_v2", "llama_2h"), ("dint_v1", "diffllama"),
-    ("diff_v2_floor", "llama_2h"), ("llama_attention_in_dint", "llama_2h"),
+    ("diff_v2_floor", "llama_2h"), ("dint_v2_floor", "diff_v2_floor"), ("dint_v2_floor", "llama_2h"),
+    ("llama_attention_in_dint", "llama_2h"),
 )
 
 
@@ -53,7 +56,7 @@ def floor_forward(self, hidden_states, position_embeddings, attention_mask, inte
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query_channels = self.num_heads * self.head_dim
-    if self.floor == "diff_v2_floor":
+    if self.floor != "llama_attention_in_dint":
         product = torch.nn.functional.linear(hidden_states, self.query_lambda_weight)
         query_states = product[..., :query_channels]
         lambda_ = torch.sigmoid(product[..., query_channels:]).unsqueeze(-1)
@@ -74,30 +77,55 @@ def floor_forward(self, hidden_states, position_embeddings, attention_mask, inte
     signal_output, noise_output = attn_output.unflatten(2, (-1, 2)).unbind(3)
     if self.floor == "diff_v2_floor":
         attn_output = torch.addcmul(signal_output, lambda_, noise_output, value=-1)
+    elif self.floor == "dint_v2_floor":
+        attn_output = dint_floor_combination(self, signal_output, noise_output, lambda_)
     else:
         attn_output = signal_output
     return self.o_proj(attn_output.reshape(*input_shape, -1)), None
 
 
+def dint_floor_combination(attention, signal_output, noise_output, lambda_):
+    """`dint_v2_floor`'s integral: the running sum S `[B, 1, heads, C]` per layer and the count per forward (layer 0),
+    kept in `attention.floor_state` (shared by the layers), then `O1 - lambda * (O2 - S / c)` in two addcmul."""
+    state = attention.floor_state
+    if signal_output.shape[1] > 1:  # the prompt (not timed): its sums
+        state[attention.layer_idx] = signal_output.float().sum(1, keepdim=True)
+        state["count"] = torch.full((signal_output.shape[0], 1, 1, 1), float(signal_output.shape[1]))
+        state["inverse"] = state["count"].reciprocal()
+    else:
+        if attention.layer_idx == 0:
+            state["inverse"] = state["count"].add_(1).reciprocal()
+        state[attention.layer_idx].add_(signal_output)
+    noise_minus_integral = torch.addcmul(noise_output, state[attention.layer_idx], state["inverse"], value=-1)
+    return torch.addcmul(signal_output, lambda_, noise_minus_integral, value=-1)
+
+
 def floor_model(diff_v2, floor: str):
     """A copy of DIFF-V2 whose attentions run `floor_forward` (`FLOORS`)."""
     model = copy.deepcopy(diff_v2)
+    floor_state = {}
     for layer in model.model.layers:
         attention = layer.self_attn
-        attention.floor = floor
+        attention.floor, attention.floor_state = floor, floor_state
         with torch.no_grad():
             attention.fuse_query_lambda()
         attention.forward = types.MethodType(floor_forward, attention)
     return model
 
 
-def interleaved_rounds(models: dict, prompt: torch.Tensor, rounds: int, tokens: int, block: int) -> dict:
+def interleaved_rounds(
+    models: dict, prompt: torch.Tensor, rounds: int, tokens: int, block: int, position_ids: bool = False
+) -> dict:
     """Greedy decoding with the dynamic cache, model forward by forward (no generate() around it): per round, each
-    model decodes `tokens` tokens, `block` steps at a time in turn (the order rotates per turn). `{name: [seconds per
-    token, one per round]}`, after a warm-up round."""
+    model decodes `tokens` tokens, `block` steps at a time in turn (the order rotates per turn); with `position_ids`,
+    each step is given its position, as generate() gives it. `{name: [seconds per token, one per round]}`, after a
+    warm-up round."""
     from transformers import DynamicCache
 
     names = list(models)
+    step_kwargs = [  # made before the clock runs
+        {"position_ids": torch.tensor([[prompt.shape[1] + step]])} if position_ids else {} for step in range(tokens)
+    ]
     samples = {name: [] for name in names}
     with torch.no_grad(), timed_region("cpu"):  # the garbage collector off, as in the other benchmarks
         for round_index in range(rounds + 1):
@@ -112,9 +140,11 @@ def interleaved_rounds(models: dict, prompt: torch.Tensor, rounds: int, tokens: 
                 for name in names[shift:] + names[:shift]:
                     model, cache, model_logits = models[name], caches[name], logits[name]
                     started = time.perf_counter()
-                    for _ in range(min(block, tokens - turn)):
+                    for step in range(turn, min(turn + block, tokens)):
                         token = model_logits[:, -1:].argmax(-1)
-                        model_logits = model(token, **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True).logits
+                        model_logits = model(
+                            token, **step_kwargs[step], **{bench_common.CACHE_ARGUMENT: cache}, use_cache=True
+                        ).logits
                     spent[name] += time.perf_counter() - started
                     logits[name] = model_logits
             if round_index:  # round 0 warms up
@@ -129,6 +159,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per model and round")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=8, help="steps a model decodes before the next model's turn")
+    parser.add_argument(
+        "--position-ids", action="store_true",
+        help="give each step its position ids, as generate() does (DINT then checks for a document restart per row)",
+    )
     parser.add_argument("--output-dir", default=bench_common.results_dir("decode_overhead", "cpu"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -138,7 +172,7 @@ def main(argv=None) -> None:
     models.update({floor: floor_model(models["diff_v2"], floor) for floor in FLOORS})
     prompt = torch.randint(0, models["dint_v2"].config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
 
-    samples = interleaved_rounds(models, prompt, args.rounds, args.tokens, args.block)
+    samples = interleaved_rounds(models, prompt, args.rounds, args.tokens, args.block, args.position_ids)
     result = {
         "argv": sys.argv,
         "machine": bench_common.machine_info("cpu"),
@@ -150,6 +184,7 @@ def main(argv=None) -> None:
     }
     layers = args.layers
     kernel_setting = os.environ.get("DINT_INTEGRAL_KERNEL") or "auto"  # one file per setting: `results_<setting>`
+    inputs = "_position_ids" if args.position_ids else ""  # and per inputs: `results_<setting>_position_ids`
     result["integral_kernel"] = kernel_setting
     lines = [
         "# Decoding overhead: tiny models, batch 1, the CPU (a proxy for launch-bound eager decoding on a GPU)", "",
@@ -164,7 +199,7 @@ def main(argv=None) -> None:
         "", "| pair | paired median ratio |", "| --- | ---: |",
         *(f"| {pair} | {ratio:.3f} |" for pair, ratio in result["paired_ratios"].items()),
     ]
-    output = os.path.join(args.output_dir, f"results_{kernel_setting}.json")
+    output = os.path.join(args.output_dir, f"results_{kernel_setting}{inputs}.json")
     bench_common.write_result(result, output, "\n".join(lines) + "\n")
 
 

@@ -178,7 +178,7 @@ class DintIntegralLayout:
         The plan (`plan_integral`):
         implementation (`str`, or None until planned): `EAGER`, `CPU_KERNEL` or `TRITON_KERNEL`.
         decoding_step (`bool`): one new row per sequence continuing the carried sums, in eager mode without a
-            gradient: `DintIntegral` adds O1 to the holder's state in place (`step_carry_factor`, `step_valid`: where
+            gradient: `DintIntegral` adds O1 to the holder's state in place (`step_carry_factor`, `step_padding`: where
             a row restarts or is padding, else None).
         state (`DintIntegralState` or None): what carries the sums between calls.
         running_sum (callable or None): the eager ops' scan tuned for the device (`blocked_running_sum` on CPU,
@@ -198,7 +198,7 @@ class DintIntegralLayout:
     implementation: str | None = None
     decoding_step: bool = False
     step_carry_factor: torch.Tensor | None = None
-    step_valid: torch.Tensor | None = None
+    step_padding: torch.Tensor | None = None
     state: DintIntegralState | None = None
     running_sum: Callable | None = None
     kernel_row_flags: torch.Tensor | None = None
@@ -558,7 +558,7 @@ def plan_integral(
     if layout.decoding_step and isinstance(layout.carry_kept, torch.Tensor):
         layout.step_carry_factor = layout.carry_kept.to(torch.float32).view(-1, 1, 1, 1)
     if layout.decoding_step and layout.query_valid is not None:
-        layout.step_valid = layout.query_valid.view(-1, 1, 1, 1)
+        layout.step_padding = ~layout.query_valid.view(-1, 1, 1, 1)
     return layout
 
 
@@ -728,17 +728,19 @@ class DintIntegral:
 
     def _decoding_step(self, signal_output, noise_output, lambda_, layout, state) -> torch.Tensor | None:
         """A decoding step (`layout.decoding_step`; arguments as `__call__`'s): `S += O1` in the holder's own state, in
-        place (S *= 0 first where the row starts a document, O1 zeroed where it is padding), then the combination:
-        the reference's arithmetic at one row, in its fewest ops (no casts: each op reads O1 and O2 as fp32). None
-        where the holder keeps no state of this batch (one kept for the batch broadcasts): the reference runs."""
+        place (`S = O1 + S * factor` in one op where a row may start a document, factor 0 there; O1 zeroed where it
+        is padding), then the combination: the reference's arithmetic at one row, in its fewest ops (no casts: each
+        op reads O1 and O2 as fp32). None where the holder keeps no state of this batch (one kept for the batch
+        broadcasts): the reference runs."""
         signal_sum = state.carried(self.layer_idx, SIGNAL_SUM)
         if signal_sum is None or signal_sum.shape[0] != signal_output.shape[0]:
             return None
         running_signal_sum = signal_sum.unsqueeze(1)  # [B, 1, heads, C], a view of the state
-        if layout.step_carry_factor is not None:
-            running_signal_sum.mul_(layout.step_carry_factor)
-        new_rows = signal_output if layout.step_valid is None else torch.where(layout.step_valid, signal_output, 0.0)
-        running_signal_sum.add_(new_rows)
+        new_rows = signal_output if layout.step_padding is None else signal_output.masked_fill(layout.step_padding, 0.0)
+        if layout.step_carry_factor is None:
+            running_signal_sum.add_(new_rows)
+        else:  # (the factor is 0 or 1 and S finite: exactly `S * factor + O1`, rounded once as the two ops round it)
+            torch.addcmul(new_rows, running_signal_sum, layout.step_carry_factor, out=running_signal_sum)
         return combine_with_integral(signal_output, noise_output, lambda_, running_signal_sum, layout.inverse_query_count)
 
     def maps(

@@ -102,10 +102,21 @@ def test_decoding_steps_with_padding_and_restarts_equal_the_reference(layout, mo
     assert all(torch.equal(a, b.detach()) for a, b in zip(fast_states, reference_states))
 
 
+STEP_INPUTS = {  # what a decoding step is given, and the ops its integral then dispatches (before v1's head norm)
+    "no position ids": ["unsqueeze", "add_", "addcmul", "addcmul"],
+    # generate() passes position ids: a row at position 0 restarts its document, so the state is `O1 + S * factor`
+    "generate's position ids": ["unsqueeze", "addcmul", "addcmul", "addcmul"],
+    # and a padding mask where a row is padded: O1 zeroed where the new row is padding (a fill, never a product: NaN)
+    "generate's padding mask": ["unsqueeze", "masked_fill", "addcmul", "addcmul", "addcmul"],
+}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_decoding_step_dispatches_its_arithmetic(layout, monkeypatch):
-    """A layer's integral in a decoding step (fp32, no padding) dispatches the in-place sum and the two fused
-    multiply-adds (and a view, and v1's head norm), nothing else: no cast, no copy, no scan. (By default on CPU a v1
+@pytest.mark.parametrize("step_inputs", list(STEP_INPUTS))
+def test_a_decoding_step_dispatches_its_arithmetic(layout, step_inputs, monkeypatch):
+    """A layer's integral in a decoding step (fp32) dispatches the sum into the state in place (one op, two where a
+    row may be padding), the two fused multiply-adds (and a view, and v1's head norm), nothing else: no cast, no
+    copy, no scan, whether or not the step has generate()'s position ids and padding mask. (By default on CPU a v1
     layer takes the CPU op instead, which fuses its head norm: `test_a_v1_decoding_step_takes_the_cpu_op`.)"""
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
     model = tiny_model(**layout)
@@ -116,25 +127,33 @@ def test_a_decoding_step_dispatches_its_arithmetic(layout, monkeypatch):
     def capture(module, args, kwargs):
         captured.update(kwargs)
 
+    prompt, attention_mask = left_padded_batch(lengths=(8, 5) if step_inputs == "generate's padding mask" else (8, 8))
+    step_kwargs = {}
+    if step_inputs != "no position ids":
+        step_kwargs["position_ids"] = attention_mask.sum(-1, keepdim=True)  # each row's next position (as generate())
+    if step_inputs == "generate's padding mask":
+        step_kwargs["attention_mask"] = torch.cat([attention_mask, torch.ones(2, 1, dtype=torch.long)], dim=-1)
     handle = attention.register_forward_pre_hook(capture, with_kwargs=True)
     with torch.no_grad():
-        model(torch.randint(2, 128, (1, 8)), **with_cache(cache), use_cache=True)
-        model(torch.randint(2, 128, (1, 1)), **with_cache(cache), use_cache=True)
+        model(prompt, attention_mask=attention_mask, **with_cache(cache), use_cache=True)
+        model(torch.randint(2, 128, (2, 1)), **step_kwargs, **with_cache(cache), use_cache=True)
     handle.remove()
     layout_of_step = captured["integral_layout"]
-    assert layout_of_step.decoding_step and layout_of_step.step_carry_factor is None
+    assert layout_of_step.decoding_step
+    assert (layout_of_step.step_carry_factor is None) == (step_inputs == "no position ids")
+    assert (layout_of_step.step_padding is None) == (step_inputs != "generate's padding mask")
     heads, channels = model.config.num_differential_heads, model.config.differential_head_dim
-    signal, noise = torch.randn(2, 1, 1, heads, channels)
-    lambda_ = attention.differential_lambda(torch.randn(1, 1, model.config.hidden_size))
+    signal, noise = torch.randn(2, 2, 1, heads, channels)
+    lambda_ = attention.differential_lambda(torch.randn(2, 1, model.config.hidden_size))
     state_before = cache.layers[1].signal_sum.clone()
     with torch.no_grad(), RecordedOps() as recorded:
         attention.integral(signal, noise, lambda_, layout_of_step, attention.head_norm)
-    expected = ["unsqueeze", "add_", "addcmul", "addcmul"]
+    expected = STEP_INPUTS[step_inputs]
     norm_ops = recorded.names[len(expected):]
     assert recorded.names[: len(expected)] == expected, recorded.names
     assert all(name in ("rms_norm", "_fused_rms_norm", "pow", "mean", "add", "add_", "rsqrt", "mul") for name in norm_ops)
     assert (len(norm_ops) == 0) == (type(attention.head_norm) is torch.nn.Identity), recorded.names
-    torch.testing.assert_close(cache.layers[1].signal_sum, state_before + signal[:, 0])
+    torch.testing.assert_close(cache.layers[1].signal_sum, state_before + signal[:, 0], rtol=0, atol=0)
 
 
 def storage_bytes(tensors) -> int:
