@@ -178,7 +178,7 @@ class DintIntegralLayout:
         The plan (`plan_integral`):
         implementation (`str`, or None until planned): `EAGER`, `CPU_KERNEL` or `TRITON_KERNEL`.
         decoding_step (`bool`): one new row per sequence continuing the carried sums, in eager mode without a
-            gradient: `DintIntegral` adds O1 to the holder's state in place (`step_carry_factor`, `step_padding`: where
+            gradient: `DintIntegral` adds O1 to the holder's state in place (`step_carry_factor`, `step_valid`: where
             a row restarts or is padding, else None).
         state (`DintIntegralState` or None): what carries the sums between calls.
         running_sum (callable or None): the eager ops' scan tuned for the device (`blocked_running_sum` on CPU,
@@ -198,7 +198,7 @@ class DintIntegralLayout:
     implementation: str | None = None
     decoding_step: bool = False
     step_carry_factor: torch.Tensor | None = None
-    step_padding: torch.Tensor | None = None
+    step_valid: torch.Tensor | None = None
     state: DintIntegralState | None = None
     running_sum: Callable | None = None
     kernel_row_flags: torch.Tensor | None = None
@@ -558,7 +558,7 @@ def plan_integral(
     if layout.decoding_step and isinstance(layout.carry_kept, torch.Tensor):
         layout.step_carry_factor = layout.carry_kept.to(torch.float32).view(-1, 1, 1, 1)
     if layout.decoding_step and layout.query_valid is not None:
-        layout.step_padding = ~layout.query_valid.view(-1, 1, 1, 1)
+        layout.step_valid = layout.query_valid.view(-1, 1, 1, 1)
     return layout
 
 
@@ -736,7 +736,7 @@ class DintIntegral:
         if signal_sum is None or signal_sum.shape[0] != signal_output.shape[0]:
             return None
         running_signal_sum = signal_sum.unsqueeze(1)  # [B, 1, heads, C], a view of the state
-        new_rows = signal_output if layout.step_padding is None else signal_output.masked_fill(layout.step_padding, 0.0)
+        new_rows = signal_output if layout.step_valid is None else torch.where(layout.step_valid, signal_output, 0.0)
         if layout.step_carry_factor is None:
             running_signal_sum.add_(new_rows)
         else:  # (the factor is 0 or 1 and S finite: exactly `S * factor + O1`, rounded once as the two ops round it)

@@ -106,8 +106,9 @@ STEP_INPUTS = {  # what a decoding step is given, and the ops its integral then 
     "no position ids": ["unsqueeze", "add_", "addcmul", "addcmul"],
     # generate() passes position ids: a row at position 0 restarts its document, so the state is `O1 + S * factor`
     "generate's position ids": ["unsqueeze", "addcmul", "addcmul", "addcmul"],
-    # and a padding mask where a row is padded: O1 zeroed where the new row is padding (a fill, never a product: NaN)
-    "generate's padding mask": ["unsqueeze", "masked_fill", "addcmul", "addcmul", "addcmul"],
+    # and a padding mask where a row is padded: O1 zeroed where the new row is padding (a `where`, never a product:
+    # NaN; its 0.0 is a wrapped CPU scalar, no kernel on a GPU, where an out-of-place `masked_fill` would copy first)
+    "generate's padding mask": ["unsqueeze", "scalar_tensor", "where", "addcmul", "addcmul", "addcmul"],
 }
 
 
@@ -141,7 +142,7 @@ def test_a_decoding_step_dispatches_its_arithmetic(layout, step_inputs, monkeypa
     layout_of_step = captured["integral_layout"]
     assert layout_of_step.decoding_step
     assert (layout_of_step.step_carry_factor is None) == (step_inputs == "no position ids")
-    assert (layout_of_step.step_padding is None) == (step_inputs != "generate's padding mask")
+    assert (layout_of_step.step_valid is None) == (step_inputs != "generate's padding mask")
     heads, channels = model.config.num_differential_heads, model.config.differential_head_dim
     signal, noise = torch.randn(2, 2, 1, heads, channels)
     lambda_ = attention.differential_lambda(torch.randn(2, 1, model.config.hidden_size))
