@@ -104,6 +104,9 @@ def test_setup_names_the_moved_modules():
 BEFORE_THE_MOVE = "81beb7c"
 """The commit before the tools moved into `modeling_dint/integrations/` (issue 56): the base of that change."""
 
+SAVED_LAYOUTS = {"v1": 2, "v2": 1}
+"""The checkpoints the old tree saves: each head layout, with its number of KV heads."""
+
 SAVE_SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -112,15 +115,17 @@ SAVE_SCRIPT = textwrap.dedent(
     from modeling_dint import DintConfig, DintForCausalLM
 
     assert modeling_dint.__file__.startswith(sys.argv[1]), modeling_dint.__file__
-    torch.manual_seed(0)
-    config = DintConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=int(sys.argv[3]), lambda_std_dev=0.3,
-                        differential_attention=sys.argv[2], pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    model = DintForCausalLM(config).eval()
-    model.save_pretrained(sys.argv[4])
-    with torch.no_grad():
-        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
-    print(json.dumps(logits.flatten().tolist()))
+    saved_logits = {}
+    for layout, kv_heads, checkpoint in json.loads(sys.argv[2]):
+        torch.manual_seed(0)
+        config = DintConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=kv_heads, lambda_std_dev=0.3,
+                            differential_attention=layout, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        model = DintForCausalLM(config).eval()
+        model.save_pretrained(checkpoint)
+        with torch.no_grad():
+            saved_logits[checkpoint] = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten().tolist()
+    print(json.dumps(saved_logits))
     """
 )
 
@@ -130,16 +135,19 @@ REMOTE_CODE_SCRIPT = WITHOUT_THE_PACKAGE + textwrap.dedent(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-    with torch.no_grad():
-        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
-    print(json.dumps(logits.flatten().tolist()))
+    logits = {}
+    for checkpoint in sys.argv[1:]:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        with torch.no_grad():
+            logits[checkpoint] = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten().tolist()
+    print(json.dumps(logits))
     """
 )
 
 
-def run_python(script: str, *arguments: str, cwd, pythonpath: str | None) -> list[float]:
+def run_python(script: str, *arguments: str, cwd, pythonpath: str | None) -> dict:
+    """The JSON the script prints last, run in a process of its own (one per script: a process costs seconds)."""
     # The eager integral: the old tree's CPU op would be built again (a source of its own), half a minute per machine
     environment = {**os.environ, "HF_HOME": os.path.join(cwd, "hf_home"), "HF_HUB_OFFLINE": "1",
                    "DINT_CPU_KERNEL": "0"}
@@ -152,11 +160,10 @@ def run_python(script: str, *arguments: str, cwd, pythonpath: str | None) -> lis
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("layout, kv_heads", [("v1", "2"), ("v2", "1")])
-def test_a_checkpoint_saved_before_the_move_loads_with_its_logits(tmp_path, layout, kv_heads):
-    """A model saved by the package at `BEFORE_THE_MOVE` (its files taken from git, in a process of their own) loads
-    with the logits it was saved with: by this package, and by the remote code saved with it in a process without the
-    package."""
+def test_a_checkpoint_saved_before_the_move_loads_with_its_logits(tmp_path):
+    """A model of each head layout saved by the package at `BEFORE_THE_MOVE` (its files taken from git, in a process
+    of their own) loads with the logits it was saved with: by this package, and by the remote code saved with it in a
+    process without the package."""
     old_tree = tmp_path / "old"
     old_tree.mkdir()
     archive = subprocess.run(["git", "-C", REPO_ROOT, "archive", BEFORE_THE_MOVE, "modeling_dint"],
@@ -167,12 +174,17 @@ def test_a_checkpoint_saved_before_the_move_loads_with_its_logits(tmp_path, layo
     subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive.stdout, check=True, timeout=120)
     assert (old_tree / "modeling_dint" / "serving.py").exists()  # the tree before the move
 
-    checkpoint = str(tmp_path / "checkpoint")
-    saved_logits = torch.tensor(run_python(SAVE_SCRIPT, str(old_tree), layout, kv_heads, checkpoint,
-                                           cwd=str(tmp_path), pythonpath=str(old_tree)))
-    model = DintForCausalLM.from_pretrained(checkpoint).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten()
-    torch.testing.assert_close(logits, saved_logits, rtol=1e-5, atol=1e-5)
-    remote_logits = torch.tensor(run_python(REMOTE_CODE_SCRIPT, checkpoint, cwd=str(tmp_path), pythonpath=None))
-    torch.testing.assert_close(remote_logits, saved_logits, rtol=1e-5, atol=1e-5)
+    checkpoints = {layout: str(tmp_path / f"checkpoint-{layout}") for layout in SAVED_LAYOUTS}
+    to_save = [(layout, kv_heads, checkpoints[layout]) for layout, kv_heads in SAVED_LAYOUTS.items()]
+    saved_logits = run_python(SAVE_SCRIPT, str(old_tree), json.dumps(to_save), cwd=str(tmp_path),
+                              pythonpath=str(old_tree))
+    remote_logits = run_python(REMOTE_CODE_SCRIPT, *checkpoints.values(), cwd=str(tmp_path), pythonpath=None)
+    for layout, checkpoint in checkpoints.items():
+        expected = torch.tensor(saved_logits[checkpoint])
+        model = DintForCausalLM.from_pretrained(checkpoint).eval()
+        assert model.config.differential_attention == layout
+        with torch.no_grad():
+            logits = model(torch.tensor([[5, 6, 7, 8, 9, 10]])).logits.flatten()
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=f"{layout}: this package")
+        torch.testing.assert_close(torch.tensor(remote_logits[checkpoint]), expected, rtol=1e-5, atol=1e-5,
+                                   msg=f"{layout}: the remote code")
