@@ -115,10 +115,12 @@ STEP_INPUTS = {  # what a decoding step is given, and the ops its integral then 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("step_inputs", list(STEP_INPUTS))
 def test_a_decoding_step_dispatches_its_arithmetic(layout, step_inputs, monkeypatch):
-    """A layer's integral in a decoding step (fp32) dispatches the sum into the state in place (one op, two where a
-    row may be padding), the two fused multiply-adds (and a view, and v1's head norm), nothing else: no cast, no
-    copy, no scan, whether or not the step has generate()'s position ids and padding mask. (By default on CPU a v1
-    layer takes the CPU op instead, which fuses its head norm: `test_a_v1_decoding_step_takes_the_cpu_op`.)"""
+    """A layer's integral in a decoding step (fp32) dispatches the sum into the state in place (one op; with padding,
+    a `where` before it), the two fused multiply-adds (and a view, and v1's head norm), nothing else: no cast, no
+    copy, no scan, whether or not the step has generate()'s position ids and padding mask. The state is the carried
+    sum plus the new row, the new row alone where the row restarts (position id 0), unchanged where it is padding.
+    (By default on CPU a v1 layer takes the CPU op instead, which fuses its head norm:
+    `test_a_v1_decoding_step_takes_the_cpu_op`.)"""
     monkeypatch.setenv("DINT_INTEGRAL_KERNEL", "eager")
     model = tiny_model(**layout)
     attention = model.model.layers[1].self_attn
@@ -128,12 +130,14 @@ def test_a_decoding_step_dispatches_its_arithmetic(layout, step_inputs, monkeypa
     def capture(module, args, kwargs):
         captured.update(kwargs)
 
-    prompt, attention_mask = left_padded_batch(lengths=(8, 5) if step_inputs == "generate's padding mask" else (8, 8))
-    step_kwargs = {}
-    if step_inputs != "no position ids":
-        step_kwargs["position_ids"] = attention_mask.sum(-1, keepdim=True)  # each row's next position (as generate())
-    if step_inputs == "generate's padding mask":
-        step_kwargs["attention_mask"] = torch.cat([attention_mask, torch.ones(2, 1, dtype=torch.long)], dim=-1)
+    prompt, attention_mask = left_padded_batch(lengths=(8, 5))
+    step_kwargs, restarts, padded = {}, torch.tensor([False, False]), torch.tensor([False, False])
+    if step_inputs != "no position ids":  # row 0 restarts its document; row 1 goes on (generate()'s next position)
+        step_kwargs["position_ids"] = torch.tensor([[0], [5]])
+        restarts = torch.tensor([True, False])
+    if step_inputs == "generate's padding mask":  # and row 1's new token is padding
+        step_kwargs["attention_mask"] = torch.cat([attention_mask, torch.tensor([[1], [0]])], dim=-1)
+        padded = torch.tensor([False, True])
     handle = attention.register_forward_pre_hook(capture, with_kwargs=True)
     with torch.no_grad():
         model(prompt, attention_mask=attention_mask, **with_cache(cache), use_cache=True)
@@ -154,7 +158,9 @@ def test_a_decoding_step_dispatches_its_arithmetic(layout, step_inputs, monkeypa
     assert recorded.names[: len(expected)] == expected, recorded.names
     assert all(name in ("rms_norm", "_fused_rms_norm", "pow", "mean", "add", "add_", "rsqrt", "mul") for name in norm_ops)
     assert (len(norm_ops) == 0) == (type(attention.head_norm) is torch.nn.Identity), recorded.names
-    torch.testing.assert_close(cache.layers[1].signal_sum, state_before + signal[:, 0], rtol=0, atol=0)
+    carried = torch.where(restarts[:, None, None], 0.0, state_before)
+    state_after = torch.where(padded[:, None, None], carried, carried + signal[:, 0])
+    torch.testing.assert_close(cache.layers[1].signal_sum, state_after, rtol=0, atol=0)
 
 
 def storage_bytes(tensors) -> int:
