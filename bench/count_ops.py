@@ -108,10 +108,12 @@ def count(args) -> dict[str, dict[str, dict[str, int]]]:
 
 def count_in_settings(argv: list[str]) -> dict[str, dict]:
     """`count` in a fresh process per environment of `SETTINGS`, run side by side (`DINT_CPU_KERNEL` is read once per
-    process)."""
+    process), one thread each: a count does not depend on threads, and two processes of two threads on two cores took
+    twice as long."""
     children = {
         setting: subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv, "--json"], env={**os.environ, **environment},
+            [sys.executable, os.path.abspath(__file__), *argv, "--json"],
+            env={**os.environ, **environment, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=bench_common.REPO_ROOT,
         )
         for setting, environment in SETTINGS.items()
